@@ -1,0 +1,117 @@
+// Decoding and validation shared by the flash-attention FFI handlers. Both head
+// dims bind the same operands, so the C++ checks mirror jax_mila/ffi/attention.py
+// in one place.
+#pragma once
+
+#include <cstdint>
+
+#include "common/attention_params.h"
+#include "common/ffi_helpers.h"
+
+namespace mila {
+
+constexpr const char* kAttentionOp = "flash_attention";
+constexpr int kMaxGroups = 16;  // query heads per KV head
+
+// Fills `p` from the FFI buffers of a call with head dim `d`, or returns the error.
+inline ffi::Error DecodeAttention(int d, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
+                                  ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::S32> q_offset,
+                                  ffi::Buffer<ffi::S32> kv_offset,
+                                  ffi::Result<ffi::Buffer<ffi::BF16>>& o,
+                                  ffi::Result<ffi::Buffer<ffi::F32>>& lse, float scale,
+                                  bool causal, int64_t window, AttentionParams& p) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4) return InvalidArgument(kAttentionOp, "q: expected [B, T, Hq, D], got ", ShapeString(qd));
+  if (kd.size() != 4) return InvalidArgument(kAttentionOp, "k: expected [B, S, Hkv, D], got ", ShapeString(kd));
+  if (!SameDims(vd, kd)) {
+    return InvalidArgument(kAttentionOp, "v: shape ", ShapeString(vd), " must equal k's ", ShapeString(kd));
+  }
+  if (qd[3] != d || kd[3] != d) {
+    return InvalidArgument(kAttentionOp, "head dim: this kernel takes D=", d, ", got q ",
+                           ShapeString(qd), " k ", ShapeString(kd));
+  }
+  if (qd[0] != kd[0]) {
+    return InvalidArgument(kAttentionOp, "batch: q has ", qd[0], ", k has ", kd[0]);
+  }
+  const int64_t hq = qd[2], hkv = kd[2];
+  if (hkv <= 0 || hq % hkv != 0 || hq / hkv > kMaxGroups) {
+    return InvalidArgument(kAttentionOp, "heads: Hq=", hq, " must be a multiple of Hkv=", hkv,
+                           " with at most ", kMaxGroups, " query heads per KV head");
+  }
+  if (qd[0] == 0 || qd[1] == 0 || kd[1] == 0) {
+    return InvalidArgument(kAttentionOp, "empty q ", ShapeString(qd), " or k ", ShapeString(kd));
+  }
+  if (qd[1] > INT32_MAX || kd[1] > INT32_MAX || qd[0] > 65535) {
+    return InvalidArgument(kAttentionOp, "sizes out of range: q ", ShapeString(qd), " k ", ShapeString(kd));
+  }
+  if (q_offset.element_count() != 1 || kv_offset.element_count() != 1) {
+    return InvalidArgument(kAttentionOp, "q_offset and kv_offset must be int32 scalars");
+  }
+  if (window < 0 || window > INT32_MAX || (window > 0 && !causal)) {
+    return InvalidArgument(kAttentionOp, "window=", window, " must be >= 0 and needs causal=True");
+  }
+  if (!SameDims(o->dimensions(), qd)) {
+    return InvalidArgument(kAttentionOp, "o: result shape ", ShapeString(o->dimensions()),
+                           " must equal q's ", ShapeString(qd));
+  }
+  const auto ld = lse->dimensions();
+  if (ld.size() != 3 || ld[0] != qd[0] || ld[1] != hq || ld[2] != qd[1]) {
+    return InvalidArgument(kAttentionOp, "lse: result shape ", ShapeString(ld), " must be [B, Hq, T]");
+  }
+  p.q = reinterpret_cast<const __nv_bfloat16*>(q.untyped_data());
+  p.k = reinterpret_cast<const __nv_bfloat16*>(k.untyped_data());
+  p.v = reinterpret_cast<const __nv_bfloat16*>(v.untyped_data());
+  p.o = reinterpret_cast<__nv_bfloat16*>(o->untyped_data());
+  p.lse = lse->typed_data();
+  p.q_offset = q_offset.typed_data();
+  p.kv_offset = kv_offset.typed_data();
+  p.batch = static_cast<int>(qd[0]);
+  p.t = static_cast<int>(qd[1]);
+  p.s = static_cast<int>(kd[1]);
+  p.hq = static_cast<int>(hq);
+  p.hkv = static_cast<int>(hkv);
+  p.scale = scale;
+  p.causal = causal;
+  p.window = static_cast<int>(window);
+  return ffi::Error::Success();
+}
+
+// The binding both head dims use:
+//   args q, k, v (bf16), q_offset, kv_offset (int32 scalars);
+//   rets o (bf16, q's shape), lse (f32 [B, Hq, T]);
+//   attrs scale (f32), causal (bool), window (i64, 0 = none).
+#define MILA_ATTENTION_BINDING()                                   \
+  xla::ffi::Ffi::Bind()                                            \
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()               \
+      .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()                     \
+      .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()                     \
+      .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()                     \
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()                      \
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()                      \
+      .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()                     \
+      .Ret<xla::ffi::Buffer<xla::ffi::F32>>()                      \
+      .Attr<float>("scale")                                        \
+      .Attr<bool>("causal")                                        \
+      .Attr<int64_t>("window")
+
+// Defines the handler symbol `Name` for head dim `D`, launching `Launch(params, stream)`.
+#define MILA_DEFINE_ATTENTION_HANDLER(Name, D, Launch)                                        \
+  static xla::ffi::Error Name##Impl(                                                          \
+      cudaStream_t stream, xla::ffi::Buffer<xla::ffi::BF16> q,                                \
+      xla::ffi::Buffer<xla::ffi::BF16> k, xla::ffi::Buffer<xla::ffi::BF16> v,                 \
+      xla::ffi::Buffer<xla::ffi::S32> q_offset, xla::ffi::Buffer<xla::ffi::S32> kv_offset,    \
+      xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> o,                                   \
+      xla::ffi::Result<xla::ffi::Buffer<xla::ffi::F32>> lse, float scale, bool causal,        \
+      int64_t window) {                                                                       \
+    mila::AttentionParams p{};                                                                \
+    if (auto err = mila::DecodeAttention(D, q, k, v, q_offset, kv_offset, o, lse, scale,      \
+                                         causal, window, p);                                  \
+        err.failure()) {                                                                      \
+      return err;                                                                             \
+    }                                                                                         \
+    return mila::CheckLaunch(mila::kAttentionOp, Launch(p, stream));                          \
+  }                                                                                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Name, Name##Impl, MILA_ATTENTION_BINDING(),                   \
+                                {xla::ffi::Traits::kCmdBufferCompatible})
+
+}  // namespace mila

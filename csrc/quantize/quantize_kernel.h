@@ -1,0 +1,27 @@
+// Activation quantizer: bf16 [rows, cols] -> e4m3 values and one fp32 scale per row.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace mila {
+
+// Largest finite float8_e4m3fn value.
+constexpr float kE4M3Max = 448.0f;
+// scale = amax * (1/448) as a float32 multiply (XLA turns amax / 448 into exactly this).
+constexpr float kInvE4M3Max = 1.0f / 448.0f;
+// Rows whose absolute maximum is below this are quantized as all-zero rows
+// (values 0, scale 1): 448 / amax would overflow float32 for them.
+// Must agree with jax_mila/reference/quantize.py.
+constexpr float kQuantMinAmax = 0x1p-112f;
+// The kernel reads and writes 16-byte vectors of a row.
+constexpr int kQuantColsMultiple = 16;
+
+// q[r, c] = e4m3_rn_sat(x[r, c] * (448 / amax_r)), scale[r] = amax_r * (1/448).
+// Requires cols % 16 == 0 and 16-byte aligned pointers.
+cudaError_t LaunchQuantizeActivations(const __nv_bfloat16* x, uint8_t* q, float* scale,
+                                      int64_t rows, int64_t cols, cudaStream_t stream);
+
+}  // namespace mila

@@ -1,0 +1,100 @@
+"""jax_mila.selftest(): runs each op once on the default device against its reference.
+
+Per op it reports OK (kernel matches the reference), MISMATCH (with the error), or
+REFERENCE ONLY / NOT AVAILABLE (with why). Inputs are fresh random values each run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_mila import ffi, reference
+
+
+@dataclasses.dataclass
+class SelftestResult:
+    op: str
+    outcome: str  # "OK", "MISMATCH", "REFERENCE ONLY", "NOT AVAILABLE", "ERROR"
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.op:22s} {self.outcome:15s} {self.detail}"
+
+
+def _fresh_key():
+    return jax.random.key(int.from_bytes(os.urandom(4), "little"))
+
+
+def _check_quantize() -> str | None:
+    x = jax.random.normal(_fresh_key(), (97, 2816), jnp.float32) * 3
+    x = x.at[5].set(0).astype(jnp.bfloat16)  # one all-zero row
+    q, s = jax.jit(ffi.quantize_activations)(x)
+    q_ref, s_ref = reference.quantize_activations(x)
+    step = np.abs(np.asarray(q, np.float32) - np.asarray(q_ref, np.float32))
+    ulp = np.maximum(np.abs(np.asarray(q_ref, np.float32)) * 2.0**-3, 2.0**-9)
+    if not np.array_equal(np.asarray(s), np.asarray(s_ref)):
+        return f"scales differ (max {np.max(np.abs(np.asarray(s) - np.asarray(s_ref))):.3g})"
+    if np.any(step > ulp):
+        return f"values differ by more than one e4m3 step at {int(np.sum(step > ulp))} elements"
+    return None
+
+
+def _attention_case(d: int) -> Callable[[], str | None]:
+    def check() -> str | None:
+        k1, k2, k3 = jax.random.split(_fresh_key(), 3)
+        q = jax.random.normal(k1, (1, 97, 4, d), jnp.bfloat16)
+        k = jax.random.normal(k2, (1, 130, 2, d), jnp.bfloat16)
+        v = jax.random.normal(k3, (1, 130, 2, d), jnp.bfloat16)
+        kw = dict(scale=d**-0.5, causal=True, window=64, q_offset=33, kv_offset=0)
+        o = jax.jit(lambda q, k, v: ffi.flash_attention(q, k, v, **kw))(q, k, v)
+        o_ref = reference.flash_attention(q, k, v, **kw)
+        err = float(jnp.max(jnp.abs(o.astype(jnp.float32) - o_ref.astype(jnp.float32))))
+        return None if err <= 2e-2 else f"max abs error {err:.3g} > 2e-2 (D={d})"
+
+    return check
+
+
+def _checks() -> dict[str, list[tuple[str | None, Callable[[], str | None]]]]:
+    """op -> [(target or None, check)]; an op with several targets is checked per target."""
+    return {
+        "quantize_activations": [(None, _check_quantize)],
+        "flash_attention": [(f"jax_mila_flash_attention_d{d}", _attention_case(d))
+                            for d in (256, 512)],
+    }
+
+
+def run(verbose: bool = True) -> list[SelftestResult]:
+    platform = jax.default_backend()
+    results = []
+    checks = _checks()
+    for op in ffi.OPS:
+        if platform != "gpu":
+            results.append(SelftestResult(op, "REFERENCE ONLY",
+                                          f"default device is {platform}; kernels run on CUDA GPUs"))
+            continue
+        for target, check in checks.get(op, []):
+            name = op if target is None else f"{op}[{target.rsplit('_', 1)[-1]}]"
+            st = ffi.status(op, target)
+            if not st.kernel:
+                results.append(SelftestResult(name, "NOT AVAILABLE", st.reason))
+                continue
+            try:
+                problem = check()
+            except Exception as e:  # report, never crash the selftest
+                results.append(SelftestResult(name, "ERROR", f"{type(e).__name__}: {e}"))
+                continue
+            results.append(SelftestResult(name, "OK" if problem is None else "MISMATCH",
+                                          problem or st.reason))
+        if op not in checks:
+            results.append(SelftestResult(op, "NOT AVAILABLE", "no selftest case"))
+    if verbose:
+        print(f"jax_mila selftest on {jax.devices()[0]}:")
+        for r in results:
+            print("  " + str(r))
+    return results

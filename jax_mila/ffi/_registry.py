@@ -1,0 +1,135 @@
+"""Loads the CUDA extension lazily, registers its FFI targets once, and decides per op
+whether a call goes to the kernel or to the pure-JAX reference.
+
+Kill switch: ``JAX_MILA_DISABLE=all`` or a comma-separated list of op names (for example
+``JAX_MILA_DISABLE=flash_attention,w4a8_matmul``) sends those ops to the reference path.
+It is read when a function is traced, so already-compiled functions keep their choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import logging
+import os
+from typing import Callable
+
+import jax
+
+log = logging.getLogger("jax_mila")
+
+DISABLE_ENV = "JAX_MILA_DISABLE"
+
+# Public op name -> the FFI targets (names in the extension's registrations()) it needs.
+OPS: dict[str, tuple[str, ...]] = {
+    "quantize_activations": ("jax_mila_quantize_activations",),
+    "flash_attention": ("jax_mila_flash_attention_d256", "jax_mila_flash_attention_d512"),
+    "w4a8_matmul": ("jax_mila_w4a8_matmul",),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class OpStatus:
+    """Whether an op's CUDA kernel can be used in this process, and if not, why."""
+
+    op: str
+    kernel: bool
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.op}: {'kernel' if self.kernel else 'reference only'} ({self.reason})"
+
+
+@functools.cache
+def _load_extension():
+    """Returns (module, None) or (None, reason)."""
+    try:
+        module = importlib.import_module("jax_mila._jax_mila_cuda")
+    except ImportError as e:
+        return None, (
+            "the CUDA extension is not built (installed without nvcc?); "
+            f"see BUILD.md. Import error: {e}"
+        )
+    return module, None
+
+
+@functools.cache
+def _registered_targets() -> frozenset[str]:
+    """Registers every target of the extension for platform CUDA, exactly once per process."""
+    module, _ = _load_extension()
+    if module is None:
+        return frozenset()
+    targets = module.registrations()
+    for name, capsule in targets.items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    return frozenset(targets)
+
+
+def build_info() -> dict[str, str]:
+    module, reason = _load_extension()
+    return dict(module.build_info()) if module is not None else {"error": reason}
+
+
+def disabled_ops() -> frozenset[str]:
+    raw = os.environ.get(DISABLE_ENV, "")
+    names = {n.strip() for n in raw.split(",") if n.strip()}
+    if "all" in names:
+        return frozenset(OPS)
+    unknown = names - set(OPS)
+    if unknown:
+        raise ValueError(
+            f"{DISABLE_ENV}={raw!r} names unknown ops {sorted(unknown)}; "
+            f"known ops: {sorted(OPS)} or 'all'"
+        )
+    return frozenset(names)
+
+
+def status(op: str, target: str | None = None) -> OpStatus:
+    """Whether `op` (or one of its targets, e.g. one head dim of flash_attention) can run on
+    its CUDA kernel. Without `target`, an op counts as available when any target is."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; known ops: {sorted(OPS)}")
+    if target is not None and target not in OPS[op]:
+        raise ValueError(f"{target!r} is not a target of {op} (targets: {OPS[op]})")
+    if op in disabled_ops():
+        return OpStatus(op, False, f"disabled by {DISABLE_ENV}")
+    module, reason = _load_extension()
+    if module is None:
+        return OpStatus(op, False, reason)
+    wanted = OPS[op] if target is None else (target,)
+    built = [t for t in wanted if t in _registered_targets()]
+    if not built:
+        return OpStatus(op, False, f"this build has no kernel for it (kernel families built: "
+                                   f"{module.build_info()['kernels']}; missing {list(wanted)})")
+    return OpStatus(op, True, f"CUDA kernel{'s' if len(built) > 1 else ''} {built}, "
+                              f"archs {module.build_info()['cuda_archs']}")
+
+
+def available() -> dict[str, OpStatus]:
+    """Per op: whether its CUDA kernel is available in this process, and why not."""
+    return {op: status(op) for op in OPS}
+
+
+@functools.cache
+def _warn_once(op: str, reason: str) -> None:
+    log.warning("jax_mila.%s runs on the pure-JAX reference on GPU: %s", op, reason)
+
+
+def _has_cuda_backend() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def dispatch(op: str, kernel_fn: Callable, reference_fn: Callable, *args,
+             target: str | None = None):
+    """Calls `kernel_fn(*args)` when lowering for CUDA and the kernel is usable,
+    `reference_fn(*args)` otherwise (CPU, kernel not built, or disabled)."""
+    st = status(op, target)
+    if not st.kernel:
+        if _has_cuda_backend():
+            _warn_once(op, st.reason)
+        return reference_fn(*args)
+    return jax.lax.platform_dependent(*args, cuda=kernel_fn, default=reference_fn)

@@ -1,0 +1,106 @@
+"""flash_attention: causal / sliding-window prefill attention for head dims 256 and 512.
+
+q [B, T, Hq, D], k and v [B, S, Hkv, D] (bf16); query head n reads KV head n // (Hq // Hkv).
+Query i sits at position q_offset + i and key j at kv_offset + j; the offsets may be traced
+int32 scalars, so chunked prefill does not recompile. With causal=True a key is visible when
+its position is not after the query's; a window W (requires causal) also asks
+q_pos - k_pos < W. Rows with no visible key return zeros (lse -inf).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_mila import reference
+from jax_mila.ffi import _checks
+from jax_mila.ffi._registry import dispatch
+
+OP = "flash_attention"
+HEAD_DIMS = (256, 512)
+MAX_GROUPS = 16
+
+
+def _validate(q, k, v, scale, causal, window, q_offset, kv_offset) -> None:
+    for name, x, layout in (("q", q, "[B, T, Hq, D]"), ("k", k, "[B, S, Hkv, D]"),
+                            ("v", v, "[B, S, Hkv, D]")):
+        _checks.check_rank(OP, name, x, rank=4, layout=layout)
+        _checks.check_dtype(OP, name, x, [jnp.bfloat16])
+        _checks.check_nonempty(OP, name, x)
+    d = q.shape[-1]
+    if d not in HEAD_DIMS:
+        _checks.fail(OP, "q", f"head_dim={d} is not supported (supported: {HEAD_DIMS}); "
+                              f"got q{list(q.shape)}")
+    if k.shape != v.shape:
+        _checks.fail(OP, "v", f"shape {list(v.shape)} must equal k's {list(k.shape)}")
+    if k.shape[-1] != d:
+        _checks.fail(OP, "k", f"head_dim={k.shape[-1]} must equal q's {d}")
+    if k.shape[0] != q.shape[0]:
+        _checks.fail(OP, "k", f"batch {k.shape[0]} must equal q's {q.shape[0]}")
+    hq, hkv = q.shape[2], k.shape[2]
+    if hq % hkv or hq // hkv > MAX_GROUPS:
+        _checks.fail(OP, "k", f"Hq={hq} query heads over Hkv={hkv} KV heads is not supported "
+                              f"(Hq must be a multiple of Hkv, at most {MAX_GROUPS} per KV head)")
+    if scale is not None and not np.isfinite(scale):
+        _checks.fail(OP, "scale", f"must be a finite Python float, got {scale!r}")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+            _checks.fail(OP, "window", f"must be None or an int >= 1, got {window!r}")
+        if not causal:
+            _checks.fail(OP, "window", "a sliding window needs causal=True")
+    for name, off in (("q_offset", q_offset), ("kv_offset", kv_offset)):
+        shape = np.shape(off)
+        dtype = np.result_type(off) if not hasattr(off, "dtype") else np.dtype(off.dtype)
+        if shape != () or not np.issubdtype(dtype, np.integer):
+            _checks.fail(OP, name, f"must be an integer scalar, got {dtype} of shape {shape}")
+
+
+def _make_call(target, scale, causal, window):
+    def kernel(q, k, v, q_offset, kv_offset):
+        b, t, hq, _ = q.shape
+        out_types = (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+                     jax.ShapeDtypeStruct((b, hq, t), jnp.float32))
+        call = jax.ffi.ffi_call(target, out_types, vmap_method="sequential")
+        return call(q, k, v, q_offset, kv_offset, scale=np.float32(scale), causal=bool(causal),
+                     window=np.int64(window or 0))
+
+    def ref(q, k, v, q_offset, kv_offset):
+        return reference.flash_attention(q, k, v, scale=scale, causal=causal, window=window,
+                                         q_offset=q_offset, kv_offset=kv_offset, return_lse=True)
+
+    @jax.custom_batching.custom_vmap
+    def call(q, k, v, q_offset, kv_offset):
+        return dispatch(OP, kernel, ref, q, k, v, q_offset, kv_offset, target=target)
+
+    @call.def_vmap
+    def _batched(axis_size, in_batched, q, k, v, q_offset, kv_offset):
+        # A vmapped axis over q/k/v with shared offsets is more batch: fold it into B.
+        if in_batched[3] or in_batched[4]:
+            out = jax.lax.map(lambda a: call(*a), tuple(
+                x if bat else jnp.broadcast_to(x, (axis_size,) + x.shape)
+                for x, bat in zip((q, k, v, q_offset, kv_offset), in_batched)))
+            return out, (True, True)
+        q, k, v = (x if bat else jnp.broadcast_to(x, (axis_size,) + x.shape)
+                   for x, bat in zip((q, k, v), in_batched[:3]))
+        fold = lambda x: x.reshape((-1,) + x.shape[2:])
+        o, lse = call(fold(q), fold(k), fold(v), q_offset, kv_offset)
+        return (o.reshape((axis_size, -1) + o.shape[1:]),
+                lse.reshape((axis_size, -1) + lse.shape[1:])), (True, True)
+
+    return call
+
+
+def flash_attention(q, k, v, *, scale=None, causal=False, window=None, q_offset=0, kv_offset=0,
+                    return_lse=False):
+    """Attention of bf16 q over k, v with causal / sliding-window masking and position offsets.
+
+    Returns o [B, T, Hq, D] (bf16), and with return_lse=True also the float32 log-sum-exp of
+    the scaled scores, [B, Hq, T]. ``scale=None`` means 1/sqrt(D) (Gemma 4 uses 1.0).
+    """
+    _validate(q, k, v, scale, causal, window, q_offset, kv_offset)
+    d = q.shape[-1]
+    scale = float(d**-0.5 if scale is None else scale)
+    call = _make_call(f"jax_mila_flash_attention_d{d}", scale, bool(causal), window)
+    o, lse = call(q, k, v, jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32))
+    return (o, lse) if return_lse else o

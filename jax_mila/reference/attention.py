@@ -1,0 +1,56 @@
+"""Reference attention with the contract of jax_mila.ffi.flash_attention.
+
+q [B, T, Hq, D], k and v [B, S, Hkv, D]; query head n reads KV head n // (Hq // Hkv).
+Query i sits at position q_offset + i and key j at kv_offset + j. With causal=True a key
+is visible when its position is not after the query's; a window W additionally requires
+q_pos - k_pos < W. A query row with no visible key returns zeros (and lse = -inf).
+
+Computed in float32 from the inputs (scores, softmax and the PV product), then cast to
+q.dtype. It materialises the [T, S] scores, so it is an oracle and a CPU path, not a
+long-context implementation.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def visible_mask(q_pos, k_pos, *, causal: bool, window: int | None):
+    """[T, S] boolean mask of the keys each query sees."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    mask = jnp.ones(diff.shape, dtype=bool)
+    if causal:
+        mask = diff >= 0
+    if window is not None:
+        mask = mask & (diff < window)
+    return mask
+
+
+def flash_attention(q, k, v, *, scale=None, causal=False, window=None, q_offset=0,
+                    kv_offset=0, return_lse=False):
+    batch, t, hq, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    groups = hq // hkv
+    scale = d**-0.5 if scale is None else scale
+
+    qg = q.reshape(batch, t, hkv, groups, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * jnp.float32(scale)
+    q_pos = jnp.asarray(q_offset, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
+    k_pos = jnp.asarray(kv_offset, jnp.int32) + jnp.arange(s, dtype=jnp.int32)
+    mask = visible_mask(q_pos, k_pos, causal=causal, window=window)
+    scores = jnp.where(mask, scores, -jnp.inf)
+
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    p = jnp.exp(scores - row_max)
+    denom = jnp.sum(p, axis=-1)  # [B, Hkv, G, T]
+    has_key = denom > 0
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
+    inv = jnp.where(has_key, 1.0 / jnp.where(has_key, denom, 1.0), 0.0)
+    out = out * jnp.transpose(inv, (0, 3, 1, 2))[..., None]
+    out = out.reshape(batch, t, hq, d).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = jnp.where(has_key, row_max[..., 0] + jnp.log(jnp.where(has_key, denom, 1.0)), -jnp.inf)
+    return out, lse.reshape(batch, hq, t)

@@ -1,0 +1,87 @@
+"""Helpers for jax_mila's test suites (absltest cases run with pytest).
+
+Kept in the package so GPU suites, benchmarks and users' own tests share one definition of
+"poisoned output", "CUDA present" and the error measures.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@functools.cache
+def cuda_devices() -> tuple:
+    try:
+        return tuple(jax.devices("cuda"))
+    except RuntimeError:
+        return ()
+
+
+def has_cuda() -> bool:
+    return bool(cuda_devices())
+
+
+def skip_unless_kernel(testcase, op: str, target: str | None = None) -> None:
+    """Skips `testcase` (in setUp) unless a CUDA device is present and `op`'s kernel is built."""
+    from jax_mila import ffi
+
+    if not has_cuda():
+        testcase.skipTest("no CUDA device")
+    st = ffi.status(op, target)
+    if not st.kernel:
+        testcase.skipTest(f"{op} kernel not available: {st.reason}")
+
+
+def compute_capability() -> tuple[int, int]:
+    dev = cuda_devices()[0]
+    cc = getattr(dev, "compute_capability", "0.0")
+    major, minor = str(cc).split(".")
+    return int(major), int(minor)
+
+
+def poison_like(struct: jax.ShapeDtypeStruct):
+    """An array of `struct`'s shape filled with NaN (floating types) or 0x5A bytes."""
+    dtype = np.dtype(struct.dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.full(struct.shape, jnp.nan, dtype)
+    return jnp.full(struct.shape, 0x5A, dtype)
+
+
+def call_with_poisoned_outputs(fn, *args):
+    """Runs `fn(*args)` under jit with every output buffer pre-filled with poison.
+
+    The poisoned arrays are donated and XLA aliases each donated buffer to the output of the
+    same shape and dtype, so an element the kernel forgets to write keeps its poison (NaN for
+    floating outputs). Asserts that the output really reuses the poisoned memory; returns the
+    outputs.
+    """
+    out_structs = jax.eval_shape(fn, *args)
+    leaves, treedef = jax.tree.flatten(out_structs)
+    poisons = [poison_like(s) for s in leaves]
+    ptrs = [p.unsafe_buffer_pointer() for p in poisons]
+
+    def run(poisons, *args):
+        del poisons  # donated only so XLA can place the outputs in their memory
+        return fn(*args)
+
+    out = jax.jit(run, donate_argnums=0)(poisons, *args)
+    out_leaves = jax.tree.leaves(out)
+    for i, (o, p) in enumerate(zip(out_leaves, ptrs)):
+        if o.unsafe_buffer_pointer() != p:
+            raise AssertionError(f"output {i} did not reuse its poisoned buffer; "
+                                 "the poison check would prove nothing")
+    return jax.tree.unflatten(treedef, out_leaves)
+
+
+def max_abs_err(a, b) -> float:
+    return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
+
+
+def rel_fro_err(a, b) -> float:
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))

@@ -1,0 +1,68 @@
+"""The op registry, the kill switch and the selftest, on whatever device is present."""
+
+import os
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+from absl.testing import absltest
+
+import jax_mila
+from jax_mila import ffi, testing
+from jax_mila.ffi import _registry
+
+
+class RegistryTest(absltest.TestCase):
+    def test_available_reports_every_op_with_a_reason(self):
+        status = ffi.available()
+        self.assertEqual(set(status), set(ffi.OPS))
+        for op, st in status.items():
+            self.assertEqual(st.op, op)
+            self.assertTrue(st.reason)
+
+    def test_kill_switch_all(self):
+        with mock.patch.dict(os.environ, {ffi.DISABLE_ENV: "all"}):
+            for st in ffi.available().values():
+                self.assertFalse(st.kernel)
+                self.assertIn(ffi.DISABLE_ENV, st.reason)
+
+    def test_kill_switch_named_op_leaves_the_others(self):
+        with mock.patch.dict(os.environ, {ffi.DISABLE_ENV: " quantize_activations , "}):
+            self.assertFalse(ffi.status("quantize_activations").kernel)
+            self.assertNotIn(ffi.DISABLE_ENV, ffi.status("flash_attention").reason)
+
+    def test_kill_switch_rejects_unknown_names(self):
+        with mock.patch.dict(os.environ, {ffi.DISABLE_ENV: "quantise"}):
+            with self.assertRaisesRegex(ValueError, "unknown ops \\['quantise'\\]"):
+                ffi.available()
+
+    def test_disabled_op_lowers_without_custom_call(self):
+        x = jnp.ones((4, 32), jnp.bfloat16)
+        with mock.patch.dict(os.environ, {ffi.DISABLE_ENV: "quantize_activations"}):
+            hlo = jax.jit(ffi.quantize_activations).lower(x).as_text()
+        self.assertNotIn("jax_mila_quantize_activations", hlo)
+
+    def test_unknown_op_and_target(self):
+        with self.assertRaisesRegex(ValueError, "unknown op"):
+            ffi.status("gemm")
+        with self.assertRaisesRegex(ValueError, "not a target"):
+            ffi.status("flash_attention", "jax_mila_quantize_activations")
+
+    def test_registration_happens_once(self):
+        first = _registry._registered_targets()
+        self.assertIs(first, _registry._registered_targets())
+
+
+class SelftestTest(absltest.TestCase):
+    def test_selftest_reports_every_op(self):
+        results = jax_mila.selftest(verbose=False)
+        ops = {r.op.split("[")[0] for r in results}
+        self.assertEqual(ops, set(ffi.OPS))
+        if not testing.has_cuda():
+            self.assertTrue(all(r.outcome == "REFERENCE ONLY" for r in results))
+        else:
+            self.assertFalse([r for r in results if r.outcome in ("MISMATCH", "ERROR")])
+
+
+if __name__ == "__main__":
+    absltest.main()
