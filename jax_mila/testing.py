@@ -68,7 +68,9 @@ def call_with_poisoned_outputs(fn, *args):
         del poisons  # donated only so XLA can place the outputs in their memory
         return fn(*args)
 
-    out = jax.jit(run, donate_argnums=0)(poisons, *args)
+    # keep_unused: `poisons` is unused in the body, and jit would otherwise drop it before
+    # XLA sees it, so nothing would be donated (the reuse check below then always fails).
+    out = jax.jit(run, donate_argnums=0, keep_unused=True)(poisons, *args)
     out_leaves = jax.tree.leaves(out)
     for i, (o, p) in enumerate(zip(out_leaves, ptrs)):
         if o.unsafe_buffer_pointer() != p:

@@ -123,6 +123,36 @@ def _has_cuda_backend() -> bool:
         return False
 
 
+def _varying_axes(x) -> frozenset:
+    """Mesh axes over which `x` varies inside shard_map (empty outside). jax 0.11 calls them
+    `vma`; jax 0.10 keeps them in `manual_axis_type.varying`."""
+    t = jax.typeof(x)
+    if hasattr(t, "vma"):
+        return frozenset(t.vma)
+    return frozenset(getattr(getattr(t, "manual_axis_type", None), "varying", ()) or ())
+
+
+def _vary_like_inputs(kernel_fn: Callable) -> Callable:
+    """ffi_call results carry no varying mesh axes, while the reference's results vary like
+    its inputs; inside shard_map, lax.platform_dependent needs both branches to agree, so
+    the kernel's results are marked varying over every axis its inputs vary over."""
+
+    def call(*args):
+        axes = frozenset().union(*(_varying_axes(a) for a in args))
+
+        def vary(o):
+            missing = tuple(sorted(axes - _varying_axes(o)))
+            if not missing:
+                return o
+            if hasattr(jax.lax, "pcast"):
+                return jax.lax.pcast(o, missing, to="varying")
+            return jax.lax.pvary(o, missing)
+
+        return jax.tree.map(vary, kernel_fn(*args))
+
+    return call
+
+
 def dispatch(op: str, kernel_fn: Callable, reference_fn: Callable, *args,
              target: str | None = None):
     """Calls `kernel_fn(*args)` when lowering for CUDA and the kernel is usable,
@@ -132,4 +162,5 @@ def dispatch(op: str, kernel_fn: Callable, reference_fn: Callable, *args,
         if _has_cuda_backend():
             _warn_once(op, st.reason)
         return reference_fn(*args)
-    return jax.lax.platform_dependent(*args, cuda=kernel_fn, default=reference_fn)
+    return jax.lax.platform_dependent(*args, cuda=_vary_like_inputs(kernel_fn),
+                                      default=reference_fn)

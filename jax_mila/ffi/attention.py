@@ -63,7 +63,7 @@ def _make_call(target, scale, causal, window):
                      jax.ShapeDtypeStruct((b, hq, t), jnp.float32))
         call = jax.ffi.ffi_call(target, out_types, vmap_method="sequential")
         return call(q, k, v, q_offset, kv_offset, scale=np.float32(scale), causal=bool(causal),
-                     window=np.int64(window or 0))
+                    window=np.int64(window or 0))
 
     def ref(q, k, v, q_offset, kv_offset):
         return reference.flash_attention(q, k, v, scale=scale, causal=causal, window=window,
