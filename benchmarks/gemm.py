@@ -1,0 +1,168 @@
+"""W4A8 GEMM throughput (TFLOP/s = 2*M*N*K / time) on Gemma 4 12B's linear-layer shapes, side
+by side in one run with XLA's bf16 jnp.dot, XLA's FP8 dot with the same row/column scaling done
+in XLA, and torch._scaled_mm (cuBLASLt FP8, row-wise scales) when torch is importable.
+
+Every path gets pre-quantized operands (the activation quantizer is not timed). Times are medians
+of trials of `--calls` back-to-back calls after warm-up. Table last; JSON to $OUT/gemm.json.
+
+    python benchmarks/gemm.py [--m 16384,1024] [--only qkv,down] [--kernels auto,mma_sync]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")  # leave room for torch
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _bench import markdown_table, write_json  # noqa: E402
+
+from jax_mila import ffi, quant  # noqa: E402
+
+# Gemma 4 12B: name -> (N, K) of y[M, N] = x[M, K] @ W[N, K]^T.
+SHAPES = {
+    "qkv": (8192, 3840),
+    "q+k global": (8704, 3840),
+    "o_proj sliding": (3840, 4096),
+    "o_proj global": (3840, 8192),
+    "gate+up": (30720, 3840),
+    "down": (3840, 15360),
+}
+# Measured anchors at M=16384 (specs/anchors.md), for the table.
+XLA_FP8_SCALED_ANCHOR = {"qkv": 697, "q+k global": 740}
+
+
+def _time_jax(fn, args, calls, trials=7, warmup=2):
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
+def _time_torch(fn, calls, trials=7, warmup=2):
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(times)
+
+
+def _torch_scaled_mm(xq, xs, w8, ws):
+    """torch._scaled_mm with row-wise scales on the same FP8 operands, or None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available() or jax.devices()[0].platform != "gpu":
+        return None
+    # FP8 crosses DLPack as bytes (not every DLPack version knows float8).
+    fp8 = lambda a: torch.from_dlpack(  # noqa: E731
+        jax.lax.bitcast_convert_type(a, jnp.uint8)).view(torch.float8_e4m3fn)
+    a = fp8(xq)                                  # [M, K] e4m3 row-major
+    b = fp8(w8).t()                              # [K, N] column-major
+    sa = torch.from_dlpack(xs).reshape(-1, 1).contiguous()
+    sb = torch.from_dlpack(ws).reshape(1, -1).contiguous()
+    return lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+
+def _fp8_rows(w):
+    """Per-row float8_e4m3fn quantization of w [N, K] (for the XLA / cuBLASLt FP8 paths)."""
+    amax = jnp.maximum(jnp.max(jnp.abs(w), axis=1), 1e-30)
+    scale = amax / 448.0
+    return (w / scale[:, None]).astype(jnp.float8_e4m3fn), scale.astype(jnp.float32)
+
+
+@jax.jit
+def _xla_fp8_scaled(xq, xs, w8, ws):
+    acc = jax.lax.dot_general(xq, w8, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (acc * xs[:, None] * ws[None, :]).astype(jnp.bfloat16)
+
+
+@jax.jit
+def _xla_bf16(x, wt):
+    return jnp.dot(x, wt)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--m", default="16384,1024")
+    parser.add_argument("--only", default=",".join(SHAPES))
+    parser.add_argument("--kernels", default="auto,mma_sync")
+    parser.add_argument("--calls", type=int, default=10)
+    args = parser.parse_args()
+    dev = jax.devices()[0]
+    print(f"device: {dev.device_kind}; {ffi.status('w4a8_matmul')}", flush=True)
+    kernels = [k for k in args.kernels.split(",") if k]
+    names = [n for n in args.only.split(",") if n]
+    header = (["GEMM", "N x K", "M"] + [f"jax_mila w4a8 ({k})" for k in kernels]
+              + ["XLA bf16", "XLA FP8 + row/col scales", "torch._scaled_mm FP8 rowwise",
+                 "w4a8 / XLA FP8", "weight bits/value"])
+    rows, records = [], []
+    for m in (int(v) for v in args.m.split(",")):
+        for name in names:
+            n, k = SHAPES[name]
+            kx, kw = jax.random.split(jax.random.key(m + n + k))
+            x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+            w = jax.random.normal(kw, (n, k), jnp.float32) / np.sqrt(k)
+            xq, xs = jax.block_until_ready(ffi.quantize_activations(x))
+            wq = quant.quantize_mxfp4(w, name=name)
+            w8, ws = _fp8_rows(w)
+            wt16 = w.T.astype(jnp.bfloat16)
+            flops = 2.0 * m * n * k
+            rec = {"gemm": name, "N": n, "K": k, "M": m,
+                   "weight_bits_per_value": 8 * wq.nbytes / (n * k)}
+            for kern in kernels:
+                fn = jax.jit(lambda a, b, c, kern=kern: ffi.w4a8_matmul(a, b, c, kernel=kern))
+                rec[f"w4a8_{kern}"] = flops / _time_jax(fn, (xq, xs, wq), args.calls) / 1e12
+            rec["xla_bf16"] = flops / _time_jax(_xla_bf16, (x, wt16), args.calls) / 1e12
+            rec["xla_fp8_scaled"] = flops / _time_jax(_xla_fp8_scaled, (xq, xs, w8, ws),
+                                                      args.calls) / 1e12
+            rec["torch_scaled_mm"] = None
+            try:
+                tfn = _torch_scaled_mm(xq, xs, w8, ws)
+                if tfn is not None:
+                    rec["torch_scaled_mm"] = flops / _time_torch(tfn, args.calls) / 1e12
+            except Exception as e:  # noqa: BLE001 - an anchor failing must not stop the table
+                print(f"torch._scaled_mm failed: {type(e).__name__}: {e}", flush=True)
+            records.append(rec)
+            fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+            ratio = rec[f"w4a8_{kernels[0]}"] / rec["xla_fp8_scaled"] if kernels else None
+            row = ([name, f"{n} x {k}", m] + [fmt(rec[f"w4a8_{kk}"]) for kk in kernels]
+                   + [fmt(rec["xla_bf16"]), fmt(rec["xla_fp8_scaled"]), fmt(rec["torch_scaled_mm"]),
+                      "-" if ratio is None else f"{ratio:.2f}x",
+                      f"{rec['weight_bits_per_value']:.3f}"])
+            rows.append(row)
+            print(" | ".join(str(c) for c in row), flush=True)
+            del x, w, xq, xs, wq, w8, ws, wt16
+    write_json("gemm", {"device": dev.device_kind, "rows": records,
+                        "anchors_xla_fp8_scaled_m16384": XLA_FP8_SCALED_ANCHOR})
+    print()
+    print(markdown_table(header, rows))
+
+
+if __name__ == "__main__":
+    main()

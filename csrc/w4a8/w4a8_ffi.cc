@@ -1,0 +1,112 @@
+// FFI handler of the W4A8 GEMM. Validates again what the Python wrapper validated at trace time
+// (dtypes, shapes, supported N and K, alignment, device); every failure is an ffi::Error.
+// No allocations, one kernel launch: CUDA-graph compatible.
+#include <cstdint>
+
+#include "common/ffi_helpers.h"
+#include "w4a8/w4a8_kernel.h"
+
+namespace mila {
+namespace {
+
+constexpr const char* kOp = "w4a8_matmul";
+
+ffi::Error W4A8MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x,
+                          ffi::Buffer<ffi::F32> x_scale, ffi::Buffer<ffi::U8> packed,
+                          ffi::Buffer<ffi::U8> scales, ffi::Buffer<ffi::U8> channel_exp,
+                          ffi::Result<ffi::AnyBuffer> out, int64_t variant) {
+  // x is an AnyBuffer (this FFI header has no native type for F8E4M3FN arguments).
+  if (x.element_type() != ffi::DataType::F8E4M3FN) {
+    return InvalidArgument(kOp, "x_fp8: dtype must be float8_e4m3fn (FFI dtype ",
+                           static_cast<int>(ffi::DataType::F8E4M3FN), "), got FFI dtype ",
+                           static_cast<int>(x.element_type()));
+  }
+  const auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions();
+  if (xd.size() != 2) {
+    return InvalidArgument(kOp, "x_fp8: expected rank 2 [M, K], got shape ", ShapeString(xd));
+  }
+  const int64_t m = xd[0], k = xd[1];
+  if (m < 1 || k < 1) return InvalidArgument(kOp, "x_fp8: empty shape ", ShapeString(xd));
+  if (pd.size() != 2 || pd[1] * 2 != k) {
+    return InvalidArgument(kOp, "w.packed: expected [N, K/2] = [N, ", k / 2, "], got ",
+                           ShapeString(pd));
+  }
+  const int64_t n = pd[0];
+  if (k % kW4A8KMultiple != 0) {
+    return InvalidArgument(kOp, "K=", k, " is not supported: K must be a multiple of ",
+                           kW4A8KMultiple);
+  }
+  if (n < 1 || n % kW4A8NMultiple != 0 || n > INT32_MAX || k > INT32_MAX) {
+    return InvalidArgument(kOp, "N=", n, " is not supported: N must be a positive multiple of ",
+                           kW4A8NMultiple);
+  }
+  if (sd.size() != 2 || sd[0] != n || sd[1] != k / 32) {
+    return InvalidArgument(kOp, "w.scales: expected [N, K/32] = [", n, ", ", k / 32, "], got ",
+                           ShapeString(sd));
+  }
+  if (channel_exp.dimensions().size() != 1 || channel_exp.dimensions()[0] != n) {
+    return InvalidArgument(kOp, "w.channel_exp: expected [N] = [", n, "], got ",
+                           ShapeString(channel_exp.dimensions()));
+  }
+  if (x_scale.dimensions().size() != 1 || x_scale.dimensions()[0] != m) {
+    return InvalidArgument(kOp, "x_scale: expected [M] = [", m, "], got ",
+                           ShapeString(x_scale.dimensions()));
+  }
+  const bool out_f32 = out->element_type() == ffi::DataType::F32;
+  if (!out_f32 && out->element_type() != ffi::DataType::BF16) {
+    return InvalidArgument(kOp, "out: dtype must be bfloat16 or float32, got FFI dtype ",
+                           static_cast<int>(out->element_type()));
+  }
+  const auto od = out->dimensions();
+  if (od.size() != 2 || od[0] != m || od[1] != n) {
+    return InvalidArgument(kOp, "out: expected [M, N] = [", m, ", ", n, "], got ", ShapeString(od));
+  }
+  const void* aligned[] = {x.untyped_data(), packed.untyped_data(), out->untyped_data()};
+  for (const void* p : aligned) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+      return InvalidArgument(kOp, "x_fp8/w.packed/out: buffers must be 16-byte aligned");
+    }
+  }
+  if (reinterpret_cast<uintptr_t>(scales.untyped_data()) % 4 != 0) {
+    return InvalidArgument(kOp, "w.scales: buffer must be 4-byte aligned");
+  }
+  if (variant < 0 || variant > 2) {
+    return InvalidArgument(kOp, "variant=", variant, " (0 auto, 1 mma.sync, 2 wgmma)");
+  }
+  const int cc = CurrentComputeCapability();
+  if (cc < kW4A8MinComputeCapability) {
+    return Unimplemented(kOp, "needs FP8 tensor cores (compute capability >= 8.9), this device is ",
+                         cc / 10, ".", cc % 10, "; jax_mila routes such devices to the reference");
+  }
+  if (static_cast<W4A8Variant>(variant) == W4A8Variant::kWgmma && cc != 90) {
+    return Unimplemented(kOp, "the wgmma kernel needs compute capability 9.0, this device is ",
+                         cc / 10, ".", cc % 10);
+  }
+  W4A8Args args;
+  args.x = reinterpret_cast<const uint8_t*>(x.untyped_data());
+  args.x_scale = x_scale.typed_data();
+  args.packed = packed.typed_data();
+  args.scales = scales.typed_data();
+  args.channel_exp = channel_exp.typed_data();
+  args.out = out->untyped_data();
+  args.out_f32 = out_f32;
+  args.m = m;
+  args.n = static_cast<int>(n);
+  args.k = static_cast<int>(k);
+  return CheckLaunch(kOp, LaunchW4A8Matmul(args, static_cast<W4A8Variant>(variant), cc, stream));
+}
+
+}  // namespace
+}  // namespace mila
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MilaW4A8Matmul, mila::W4A8MatmulImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()                   // x_fp8 [M, K]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()       // x_scale [M]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()        // packed [N, K/2]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()        // scales [N, K/32]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()        // channel_exp [N]
+                                  .Ret<xla::ffi::AnyBuffer>()                   // out [M, N] bf16/f32
+                                  .Attr<int64_t>("variant"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,49 @@
+// W4A8 GEMM: y[M, N] = (x_fp8[M, K] * x_scale[M]) @ W[N, K]^T, W in MXFP4 (jax_mila/quant/mxfp4.py:
+// e2m1 codes packed in kernel order, e8m0 block exponents, a per-channel reference exponent).
+// FP8 tensor cores with float32 accumulation; the weights stay 4-bit in memory and become e4m3
+// in registers right before the MMA. Two kernels:
+//   wgmma (sm_90a): the weight tile is the register A operand of wgmma.m64n256k32 (so the
+//     converted FP8 weights never touch shared memory), the activations the shared-memory B
+//     operand; computes y^T tiles and transposes them through shared memory in the epilogue.
+//   mma.sync (sm_89+): m16n8k32 FP8 mma. Native on sm_89/sm_120; on sm_90 ptxas lowers FP8
+//     mma.sync to F2FP + two HMMA.16816 (fp16 rate), so Hopper uses the wgmma kernel.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace mila {
+
+// Size limits (the Python wrapper checks the same): K is walked in tiles of 128 (one kernel-order
+// group of the weight), output rows are written in 8-column groups; M is free (rows past M are
+// masked).
+constexpr int kW4A8KMultiple = 128;
+constexpr int kW4A8NMultiple = 8;
+// Minimum compute capability (10 * major + minor) of the FP8 mma.
+constexpr int kW4A8MinComputeCapability = 89;
+
+struct W4A8Args {
+  const uint8_t* x;            // float8_e4m3fn [M, K]
+  const float* x_scale;        // [M]
+  const uint8_t* packed;       // [N, K / 2], e2m1 codes in kernel order
+  const uint8_t* scales;       // [N, K / 32], e8m0
+  const uint8_t* channel_exp;  // [N], max over blocks of scales
+  void* out;                   // [M, N], bfloat16 or float32 (out_f32)
+  bool out_f32;
+  int64_t m;
+  int n;
+  int k;
+};
+
+// Which kernel runs: kAuto picks wgmma on compute capability 9.0, mma.sync otherwise.
+enum class W4A8Variant : int { kAuto = 0, kMmaSync = 1, kWgmma = 2 };
+
+// Requires k % 128 == 0, n % 8 == 0, 16-byte aligned pointers for x, packed and out, and
+// compute capability >= 8.9 (`cc`, 10 * major + minor); kWgmma requires cc == 90 and a build
+// for sm_90a. Kernels compiled for older archs are empty and never launched.
+cudaError_t LaunchW4A8Matmul(const W4A8Args& args, W4A8Variant variant, int cc,
+                             cudaStream_t stream);
+
+}  // namespace mila

@@ -1,0 +1,19 @@
+"""XLA FFI custom calls of jax_mila: typed wrappers that validate at trace time and
+dispatch to the CUDA kernel on GPU or to the pure-JAX reference elsewhere."""
+
+from jax_mila.ffi._registry import DISABLE_ENV, OPS, OpStatus, available, build_info, status
+from jax_mila.ffi.attention import flash_attention
+from jax_mila.ffi.quantize import quantize_activations
+from jax_mila.ffi.w4a8 import w4a8_matmul
+
+__all__ = [
+    "DISABLE_ENV",
+    "OPS",
+    "OpStatus",
+    "available",
+    "build_info",
+    "flash_attention",
+    "quantize_activations",
+    "status",
+    "w4a8_matmul",
+]

@@ -1,0 +1,132 @@
+"""w4a8_matmul: FP8 activations x MXFP4 weights on FP8 tensor cores, weights 4-bit in memory.
+
+    y = w4a8_matmul(x_fp8, x_scale, w)          # x_fp8, x_scale = quantize_activations(x_bf16)
+
+x_fp8 float8_e4m3fn [..., K], x_scale float32 [...] (one scale per row), w an
+jax_mila.quant.MXFP4Weight of shape [N, K]; returns [..., N] = (x_fp8 * x_scale) @ w.T in
+``out_dtype`` (bfloat16 or float32). Every leading dim of x is a row (M = their product,
+any size >= 1).
+
+Supported sizes: K % 128 == 0 (Gemma 4's K: 2816, 3840, 4096, 5376, 8192, 15360, 21504),
+N % 8 == 0; others raise ValueError at trace time (the C++ handler checks again).
+
+Kernels (``kernel=``): "auto" (default) is "mma_sync" everywhere (m16n8k32 FP8 mma.sync, native
+on sm_89 / sm_120; on Hopper ptxas lowers FP8 mma.sync to fp16 HMMA, about half the FP8 rate).
+"wgmma" (sm_90a only: wgmma.m64n256k32 FP8 with the converted weights as the register operand)
+is opt-in: on the H200 it computes the right product but accumulates at the FP8 tensor core's
+reduced accumulation precision (relative Frobenius error 1.6e-3 at K=15360 and ~1e-4 at
+K <= 512, against < 1e-5 for mma_sync), because it does not yet promote partial sums to fp32
+registers (the Hopper kernel work, issue 7).
+
+Where it runs: the CUDA kernel needs FP8 mma (compute capability >= 8.9). On sm_80 GPUs the
+wrapper routes to the pure-JAX reference (jax_mila.reference.w4a8_matmul), as it does on CPU,
+when the kernel is not built, or with JAX_MILA_DISABLE=w4a8_matmul. (The handler itself returns
+an Unimplemented error below sm_89, so a mis-routed call fails loudly rather than silently.)
+
+Numerics: every weight code becomes an exact e4m3 value (see jax_mila/quant/mxfp4.py), products
+accumulate in float32, and x_scale[m] * 2**(channel_exp[n] - 133) is applied once in the
+epilogue, so the kernel equals the float32 product of the dequantized operands up to float32
+summation order. Measured on the reference path (CPU) at K=15360 against a float64 product:
+relative Frobenius error 5.6e-8 with out_dtype=float32 and 1.7e-3 with bfloat16 (the bf16
+rounding of the output alone is 1.7e-3). The MXFP4 weight quantization itself costs ~12%
+relative error against unquantized Gaussian weights (e2m1 has one mantissa bit).
+
+Status (H200, 2026-11-30): the mma_sync kernel passed tests/test_w4a8.py's GPU class (odd M,
+poisoned outputs, exponent-floor exactness, K=15360 accuracy < 1e-5); compute-sanitizer and the
+benchmark have not run on it yet. JAX_MILA_DISABLE=w4a8_matmul routes to the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_mila import reference
+from jax_mila.ffi import _checks
+from jax_mila.ffi._registry import dispatch
+from jax_mila.quant.mxfp4 import MXFP4Weight
+
+OP = "w4a8_matmul"
+K_MULTIPLE = 128  # the kernel's K tile
+N_MULTIPLE = 8  # 16-byte output rows per store group
+MIN_COMPUTE_CAPABILITY = (8, 9)  # FP8 mma.sync
+OUT_DTYPES = (jnp.bfloat16, jnp.float32)
+KERNELS = {"auto": 0, "mma_sync": 1, "wgmma": 2}  # the handler's `variant` attribute
+
+
+def _validate(x, x_scale, w, out_dtype, kernel) -> None:
+    if kernel not in KERNELS:
+        _checks.fail(OP, "kernel", f"{kernel!r} is not one of {sorted(KERNELS)}")
+    if not isinstance(w, MXFP4Weight):
+        _checks.fail(OP, "w", f"expected a jax_mila.quant.MXFP4Weight, got {type(w).__name__}")
+    try:
+        w.validate("w")
+    except ValueError as e:
+        _checks.fail(OP, "w", str(e))
+    _checks.check_rank(OP, "x_fp8", x, min_rank=1, layout="([..., K])")
+    _checks.check_dtype(OP, "x_fp8", x, [jnp.float8_e4m3fn])
+    _checks.check_dtype(OP, "x_scale", x_scale, [jnp.float32])
+    _checks.check_nonempty(OP, "x_fp8", x)
+    n, k = w.shape
+    if x.shape[-1] != k:
+        _checks.fail(OP, "x_fp8", f"K={x.shape[-1]} (last dim of {list(x.shape)}) must equal the "
+                                  f"weight's K={k}")
+    if tuple(x_scale.shape) != tuple(x.shape[:-1]):
+        _checks.fail(OP, "x_scale", f"shape {list(x_scale.shape)} must be x_fp8's leading shape "
+                                    f"{list(x.shape[:-1])} (one scale per row)")
+    if k % K_MULTIPLE:
+        _checks.fail(OP, "w", f"K={k} is not supported: K must be a multiple of {K_MULTIPLE} "
+                              "(Gemma 4: 2816, 3840, 4096, 5376, 8192, 15360, 21504)")
+    if n % N_MULTIPLE:
+        _checks.fail(OP, "w", f"N={n} is not supported: N must be a multiple of {N_MULTIPLE}")
+    if np.dtype(out_dtype) not in [np.dtype(d) for d in OUT_DTYPES]:
+        _checks.fail(OP, "out_dtype", f"{np.dtype(out_dtype).name} is not supported "
+                                      "(supported: bfloat16, float32)")
+
+
+@functools.cache
+def _devices_have_fp8_mma() -> bool:
+    """False when any CUDA device of this process is older than sm_89 (no FP8 mma.sync)."""
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return True  # no CUDA backend: dispatch picks the reference anyway
+    for d in devices:
+        cc = str(getattr(d, "compute_capability", "0.0")).split(".")
+        if (int(cc[0]), int(cc[1])) < MIN_COMPUTE_CAPABILITY:
+            return False
+    return True
+
+
+def _kernel(out_dtype, variant, x2, s1, packed, scales, channel_exp):
+    out = jax.ShapeDtypeStruct((x2.shape[0], packed.shape[0]), out_dtype)
+    call = jax.ffi.ffi_call("jax_mila_w4a8_matmul", out, vmap_method="sequential")
+    return call(x2, s1, packed, scales, channel_exp, variant=np.int64(variant))
+
+
+def _reference(out_dtype, x2, s1, packed, scales, channel_exp):
+    return reference.w4a8_matmul(x2, s1, MXFP4Weight(packed, scales, channel_exp),
+                                 out_dtype=out_dtype)
+
+
+def w4a8_matmul(x_fp8, x_scale, w: MXFP4Weight, *, out_dtype=jnp.bfloat16, kernel: str = "auto"):
+    """(x_fp8 * x_scale[..., None]) @ dequantize(w).T on FP8 tensor cores -> out_dtype [..., N].
+
+    See the module docstring for sizes, devices, ``kernel`` and numerics.
+    """
+    _validate(x_fp8, x_scale, w, out_dtype, kernel)
+    lead = x_fp8.shape[:-1]
+    m = int(np.prod(lead, dtype=np.int64))
+    x2 = x_fp8.reshape(m, x_fp8.shape[-1])
+    s1 = x_scale.reshape(m)
+    kernel_fn = functools.partial(_kernel, out_dtype, KERNELS[kernel])
+    ref = functools.partial(_reference, out_dtype)
+    args = (x2, s1, w.packed, w.scales, w.channel_exp)
+    if _devices_have_fp8_mma():
+        y = dispatch(OP, kernel_fn, ref, *args)
+    else:
+        y = ref(*args)
+    return y.reshape(*lead, w.shape[0])

@@ -1,0 +1,13 @@
+"""Pure-JAX references of every op: the parity oracle and the path on machines
+without a GPU. Each has the signature of its wrapper in jax_mila.ffi."""
+
+from jax_mila.reference.attention import flash_attention
+from jax_mila.reference.w4a8 import w4a8_matmul
+from jax_mila.reference.quantize import (
+    E4M3_MAX,
+    QUANT_MIN_AMAX,
+    dequantize_activations,
+    quantize_activations,
+)
+
+__all__ = ["flash_attention", "E4M3_MAX", "QUANT_MIN_AMAX", "dequantize_activations", "quantize_activations", "w4a8_matmul"]
