@@ -1,0 +1,130 @@
+"""Command line of jax_mila.
+
+    python -m jax_mila generate [--model PATH] [--prompt TEXT | --prompt-ids 2,17,5 | --length N]
+                                [--new-tokens 32] [--dtype bfloat16] [--backend auto]
+    python -m jax_mila prefill  [same prompt options]
+    python -m jax_mila selftest
+
+Without --model the small embedded checkpoint (random weights) is used, so the commands run
+anywhere, CPU included; they print the tokens and the prefill / decode throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _prompt_ids(args, vocab_size: int):
+    import numpy as np
+
+    if args.prompt_ids:
+        ids = [int(t) for t in args.prompt_ids.replace(",", " ").split()]
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            sys.exit(f"--prompt-ids: {bad} outside the vocabulary [0, {vocab_size})")
+        return np.asarray([ids], np.int32), None
+    if args.prompt is not None:
+        tokenizer = _tokenizer(args.model)
+        return np.asarray([tokenizer.encode(args.prompt).ids], np.int32), tokenizer
+    rng = np.random.default_rng(args.seed)  # synthetic prompt: BOS then random ids
+    ids = rng.integers(3, vocab_size, size=(1, args.length), dtype=np.int32)
+    ids[:, 0] = 2
+    return ids, None
+
+
+def _tokenizer(model_dir: str):
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        sys.exit(f"--prompt needs {path}; pass token ids with --prompt-ids instead")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        sys.exit("--prompt needs the `tokenizers` package (pip install tokenizers)")
+    return Tokenizer.from_file(path)
+
+
+def _timed(fn, *args, **kwargs):
+    import jax
+
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(*args, **kwargs))
+    return out, time.perf_counter() - start
+
+
+def _run(args) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from jax_mila import gemma4
+
+    args.model = os.fspath(args.model or gemma4.embedded_checkpoint())
+    model = gemma4.from_pretrained(args.model, dtype=jnp.dtype(args.dtype), backend=args.backend)
+    cfg = model.config
+    ids, tokenizer = _prompt_ids(args, cfg.vocab_size)
+    batch, length = ids.shape
+    new = args.new_tokens if args.command == "generate" else 0
+    print(f"model {args.model} ({cfg.model_type}, {cfg.num_hidden_layers} layers, hidden "
+          f"{cfg.hidden_size}), {args.dtype}, backend {args.backend}, device {jax.devices()[0]}")
+    print(f"prompt: {length} tokens" + (f": {ids[0].tolist()}" if length <= 32 else ""))
+
+    cap = length + new
+    (logits, cache), t_first = _timed(gemma4.prefill, model, ids, max_cache_len=cap)
+    (logits, cache), t_prefill = _timed(gemma4.prefill, model, ids, max_cache_len=cap)
+    print(f"prefill: {length} tokens in {t_prefill * 1e3:.1f} ms = {batch * length / t_prefill:,.0f} "
+          f"tokens/s (first call incl. compile {t_first:.2f} s)")
+    if new == 0:
+        print(f"next token: {int(jnp.argmax(logits[0]))}")
+        return
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    steps = new - 1
+    if steps:
+        _, t_compile = _timed(gemma4.decode, model, first, cache, steps)   # compile + run
+        logits, cache = gemma4.prefill(model, ids, max_cache_len=cap)        # fresh cache (donated)
+        (rest, _), t_decode = _timed(gemma4.decode, model, first, cache, steps)
+        tokens = jnp.concatenate([first[:, None], rest], axis=1)
+        print(f"decode: {steps} steps in {t_decode * 1e3:.1f} ms = {batch * steps / t_decode:,.1f} "
+              f"tokens/s (first call incl. compile {t_compile:.2f} s)")
+    else:
+        tokens = first[:, None]
+    out = tokens[0].tolist()
+    print(f"generated ids: {out}")
+    if tokenizer is not None:
+        print(f"generated text: {tokenizer.decode(out)!r}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m jax_mila", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_ in (("prefill", "run the prompt once and time it"),
+                        ("generate", "prefill, then greedy decoding")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--model", help="checkpoint directory (default: the embedded checkpoint)")
+        group = p.add_mutually_exclusive_group()
+        group.add_argument("--prompt", help="text (needs tokenizer.json in the checkpoint)")
+        group.add_argument("--prompt-ids", help="comma- or space-separated token ids")
+        group.add_argument("--length", type=int, default=64, help="synthetic prompt length (default 64)")
+        p.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default 32)")
+        p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+        p.add_argument("--backend", default="auto", choices=("auto", "mila", "reference"))
+        p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompt")
+    sub.add_parser("selftest", help="run each op once against its reference (jax_mila.selftest)")
+    args = parser.parse_args(argv)
+    if args.command == "selftest":
+        import jax_mila
+
+        results = jax_mila.selftest(verbose=True)
+        failed = [r for r in results if r.outcome in ("MISMATCH", "ERROR")]
+        sys.exit(1 if failed else 0)
+    if args.command == "generate" and args.new_tokens < 1:
+        parser.error("--new-tokens must be >= 1")
+    if args.length is not None and args.length < 1:
+        parser.error("--length must be >= 1")
+    _run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Gemma4Attention: projections, QK/V norms, RoPE and the attention core of one layer.
+
+Traps (each breaks parity on its own):
+- scale 1.0: no 1/sqrt(head_dim), no query_pre_attn_scalar; q_norm / k_norm replace it.
+- V-norm: an RMSNorm without weight on V.
+- K=V full layers (attention_k_eq_v): no v_proj; V is the RAW k_proj output (before k_norm
+  and RoPE), then V-normed.
+- KV-shared layers compute only Q and attend over the already normed and RoPE'd K/V of their
+  source layer (same positions, same mask); they own no k/v weights and no cache entry.
+- Sliding window W: a query sees itself and the W - 1 previous tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_mila import nn
+from jax_mila.gemma4 import cache as kv
+from jax_mila.gemma4.config import Gemma4Config, LayerSpec
+from jax_mila.gemma4.rope import apply_rope
+
+# What attention reads: (k, v, kv_offset). Shared layers receive their source's view.
+KVView = tuple[jax.Array, jax.Array, jax.Array]
+
+
+class Gemma4Attention(nnx.Module):
+    def __init__(self, cfg: Gemma4Config, spec: LayerSpec, *, backend: str, dtype, param_dtype,
+                 quantize, rngs: nnx.Rngs):
+        self.num_heads, self.head_dim = cfg.num_attention_heads, spec.head_dim
+        self.num_kv_heads, self.eps = spec.num_kv_heads, cfg.rms_norm_eps
+        self.window = cfg.sliding_window if spec.is_sliding else None
+        self.is_kv_shared, self.k_eq_v = spec.is_kv_shared, spec.k_eq_v
+        lin = dict(backend=backend, dtype=dtype, param_dtype=param_dtype, quantize=quantize, rngs=rngs)
+        h, q_dim, kv_dim = cfg.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(h, q_dim, **lin)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=self.eps, param_dtype=param_dtype)
+        if not self.is_kv_shared:
+            self.k_proj = nn.Linear(h, kv_dim, **lin)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=self.eps, param_dtype=param_dtype)
+            if not self.k_eq_v:
+                self.v_proj = nn.Linear(h, kv_dim, **lin)
+        self.o_proj = nn.Linear(q_dim, h, **lin)
+        self.attn = nn.Attention(scale=1.0, backend=backend)
+
+    def __call__(self, x, cos, sin, *, offset, mode: str, entry=None, shared: KVView | None = None,
+                 max_len: int = 0):
+        """x [B, T, H] at positions offset + arange(T).
+
+        mode "full" (no cache), "prefill" (offset 0; builds this layer's cache entry) or
+        "decode" (T == 1; appends to ``entry``). Returns (out, kv_view, new_entry)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        q = apply_rope(self.q_norm(q), cos, sin)
+        new_entry = None
+        if self.is_kv_shared:
+            k, v, kv_offset = shared
+        else:
+            k_raw = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+            v_raw = k_raw if self.k_eq_v else self.v_proj(x).reshape(k_raw.shape)
+            k = apply_rope(self.k_norm(k_raw), cos, sin)
+            v = nn.rms_norm(v_raw, None, self.eps)
+            kv_offset = jnp.int32(0)
+            ring = kv.ring_size(self.window, max_len) if self.window is not None else None
+            if mode == "prefill":
+                new_entry = kv.prefill_entry(k, v, ring=ring, max_len=max_len)
+            elif mode == "decode":
+                k_buf, v_buf, k, v, kv_offset = kv.decode_update(*entry, k, v, offset, ring=ring is not None)
+                new_entry = (k_buf, v_buf)
+        o = self.attn(q, k, v, window=self.window, q_offset=offset, kv_offset=kv_offset)
+        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim)), (k, v, kv_offset), new_entry

@@ -1,0 +1,175 @@
+"""Gemma4ForCausalLM: the Gemma 4 text decoder in Flax NNX, numerically following HF
+transformers' Gemma4ForCausalLM / Gemma4UnifiedForCausalLM.
+
+Attribute names mirror HF's module names (``layers.3.self_attn.q_proj`` ...), which is what
+the loader relies on to map checkpoint tensors onto parameters.
+
+Decoder layer, in HF's order:
+    h = h + post_attention_layernorm(attn(input_layernorm(h)))
+    f = mlp(pre_feedforward_layernorm(h))
+    MoE: f = post_feedforward_layernorm_1(f)
+             + post_feedforward_layernorm_2(experts(pre_feedforward_layernorm_2(h), router(h)))
+    h = h + post_feedforward_layernorm(f)
+    PLE: h = h + post_per_layer_input_norm(per_layer_projection(gelu(per_layer_input_gate(h)) * ple_i))
+    h = h * layer_scalar      # trap: scales the WHOLE residual stream; trained, not 1
+Output: final norm, tied head (embed_tokens), then 30 * tanh(logits / 30) softcapping.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_mila import nn
+from jax_mila.gemma4.attention import Gemma4Attention
+from jax_mila.gemma4.cache import KVCache
+from jax_mila.gemma4.config import Gemma4Config, LayerSpec
+from jax_mila.gemma4.mlp import Gemma4MLP, gelu_tanh
+from jax_mila.gemma4.moe import Gemma4Experts, Gemma4Router
+from jax_mila.gemma4.rope import rope_tables
+
+MODES = ("full", "prefill", "decode")
+
+
+def _scale(x: jax.Array, factor: float) -> jax.Array:
+    """x * a Python float, as PyTorch computes it: in float32, rounded once to x.dtype (the
+    factor itself is not rounded to bf16 first)."""
+    return (x.astype(jnp.float32) * jnp.float32(factor)).astype(x.dtype)
+
+
+class Gemma4DecoderLayer(nnx.Module):
+    def __init__(self, cfg: Gemma4Config, spec: LayerSpec, *, backend, dtype, param_dtype,
+                 quantize, rngs: nnx.Rngs):
+        self.spec = spec
+        common = dict(backend=backend, dtype=dtype, param_dtype=param_dtype, quantize=quantize, rngs=rngs)
+        norm = lambda: nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.self_attn = Gemma4Attention(cfg, spec, **common)
+        self.mlp = Gemma4MLP(cfg.hidden_size, spec.intermediate_size, **common)
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm()
+        self.post_feedforward_layernorm = norm()
+        self.layer_scalar = nnx.Param(jnp.ones((1,), param_dtype))
+        self.has_ple = cfg.has_ple
+        if self.has_ple:
+            p = cfg.hidden_size_per_layer_input
+            self.per_layer_input_gate = nn.Linear(cfg.hidden_size, p, **common)
+            self.per_layer_projection = nn.Linear(p, cfg.hidden_size, **common)
+            self.post_per_layer_input_norm = norm()
+        self.has_moe = cfg.enable_moe_block
+        if self.has_moe:
+            self.router = Gemma4Router(cfg.hidden_size, cfg.num_experts, cfg.top_k_experts,
+                                       eps=cfg.rms_norm_eps, **common)
+            self.experts = Gemma4Experts(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
+                                         dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            self.pre_feedforward_layernorm_2 = norm()
+            self.post_feedforward_layernorm_1 = norm()
+            self.post_feedforward_layernorm_2 = norm()
+
+    def __call__(self, h, ple_i, cos, sin, **attn_kwargs):
+        a, kv_view, entry = self.self_attn(self.input_layernorm(h), cos, sin, **attn_kwargs)
+        h = h + self.post_attention_layernorm(a)
+        f = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.has_moe:
+            flat = h.reshape(-1, h.shape[-1])
+            weights, idx = self.router(flat)
+            e = self.experts(self.pre_feedforward_layernorm_2(flat), weights, idx).reshape(h.shape)
+            f = self.post_feedforward_layernorm_1(f) + self.post_feedforward_layernorm_2(e)
+        h = h + self.post_feedforward_layernorm(f)
+        if self.has_ple:
+            g = gelu_tanh(self.per_layer_input_gate(h)) * ple_i
+            h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
+        return h * self.layer_scalar[...].astype(h.dtype), kv_view, entry
+
+
+class Gemma4ForCausalLM(nnx.Module):
+    """The text decoder with its (tied) output head.
+
+    ``model(input_ids)`` with int32 [B, S] returns softcapped logits [B, S, vocab] in ``dtype``.
+    Prefill and cached decoding go through jax_mila.gemma4.prefill / generate.
+    """
+
+    def __init__(self, cfg: Gemma4Config, *, dtype=jnp.bfloat16, param_dtype=None,
+                 backend: str = "auto", quantize=None, rngs: nnx.Rngs | None = None):
+        nn.check_backend(backend)
+        nn.check_quantize(quantize)
+        param_dtype = dtype if param_dtype is None else param_dtype
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config, self.dtype, self.backend = cfg, dtype, backend
+        common = dict(backend=backend, dtype=dtype, param_dtype=param_dtype, quantize=quantize, rngs=rngs)
+        self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, scale=cfg.embed_scale,
+                                     dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if cfg.has_ple:
+            n, p = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
+            self.embed_tokens_per_layer = nn.Embed(cfg.vocab_size_per_layer_input, n * p,
+                                                   scale=p**0.5, dtype=dtype,
+                                                   param_dtype=param_dtype, rngs=rngs)
+            self.per_layer_model_projection = nn.Linear(cfg.hidden_size, n * p, **common)
+            self.per_layer_projection_norm = nn.RMSNorm(p, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.layers = nnx.List([Gemma4DecoderLayer(cfg, spec, **common) for spec in cfg.layers])
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, **common)
+
+    # ---- pieces -------------------------------------------------------------------------
+
+    def per_layer_inputs(self, input_ids, h):
+        """PLE [B, T, L, P]: (rmsnorm(h @ W * H^-0.5) + E_ple[ids] * sqrt(P)) * 2^-0.5.
+
+        The packed table is layer-major (column = layer * P + d)."""
+        cfg = self.config
+        shape = input_ids.shape + (cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
+        tok = self.embed_tokens_per_layer(input_ids).reshape(shape)
+        ctx = _scale(self.per_layer_model_projection(h), cfg.hidden_size**-0.5)
+        ctx = self.per_layer_projection_norm(ctx.reshape(shape))
+        return _scale(ctx + tok, 2.0**-0.5)
+
+    def logits(self, h):
+        """Final norm, output head and softcap of hidden states [.., H]."""
+        h = self.norm(h)
+        logits = self.embed_tokens.attend(h) if self.config.tie_word_embeddings else self.lm_head(h)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            c = jnp.asarray(cap, logits.dtype)
+            logits = jnp.tanh(logits / c) * c
+        return logits
+
+    def hidden_states(self, input_ids, *, mode: str = "full", cache: KVCache | None = None,
+                      max_len: int = 0):
+        """Runs the decoder stack. Returns (hidden [B, T, H] before the final norm, new cache).
+
+        mode "full": no cache. "prefill": positions from 0, returns a new KVCache with capacity
+        ``max_len``. "decode": one token per sequence at position ``cache.length``."""
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} (supported: {MODES})")
+        cfg = self.config
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        t = input_ids.shape[1]
+        offset = cache.length if mode == "decode" else jnp.int32(0)
+        max_len = cache.max_len if mode == "decode" else max_len
+        positions = offset + jnp.arange(t, dtype=jnp.int32)
+        h = self.embed_tokens(input_ids)
+        ple = self.per_layer_inputs(input_ids, h) if cfg.has_ple else None
+        tables = {lt: rope_tables(spec, positions, self.dtype) for lt, spec in cfg.rope.items()}
+        sources = set(cfg.kv_sources.values()) if cfg.num_kv_shared_layers else set()
+        shared, keys, values = {}, [], []
+        for i, layer in enumerate(self.layers):
+            spec = layer.spec
+            entry = (cache.keys[i], cache.values[i]) if mode == "decode" and not spec.is_kv_shared else None
+            h, kv_view, new_entry = layer(
+                h, ple[:, :, i] if ple is not None else None, *tables[spec.layer_type],
+                offset=offset, mode=mode, entry=entry, max_len=max_len,
+                shared=shared.get(spec.layer_type) if spec.is_kv_shared else None)
+            if i in sources:
+                shared[spec.layer_type] = kv_view
+            keys.append(new_entry[0] if new_entry is not None else None)
+            values.append(new_entry[1] if new_entry is not None else None)
+        if mode == "full":
+            return h, None
+        return h, KVCache(keys=tuple(keys), values=tuple(values), length=offset + t, max_len=max_len)
+
+    def __call__(self, input_ids: jax.Array) -> jax.Array:
+        """Softcapped logits [B, S, vocab] (dtype of the model) for int32 ids [B, S]."""
+        h, _ = self.hidden_states(input_ids)
+        return self.logits(h)
