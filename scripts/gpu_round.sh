@@ -1,36 +1,69 @@
 #!/usr/bin/env bash
-# The whole GPU round in one go, on a machine with an NVIDIA GPU (the H200 here):
-# build every kernel family, run the GPU test suite, compute-sanitizer memcheck, initcheck and
-# racecheck over the sanitizer subset, the selftest and the benchmarks; a short table last.
-# Logs and JSON land in $OUT (default /tmp/jax_mila_out).
+# The whole GPU round in one go, on a machine with an NVIDIA GPU (the H200 here): build every
+# kernel family, run the GPU tests, the selftest, the benchmarks and compute-sanitizer, in that
+# order (most important first, so a run cut short still reports what matters); logs and JSON
+# land in $OUT (default /tmp/jax_mila_out) and a short table is printed last.
 #
-#   bash scripts/gpu_round.sh                 # everything
-#   BENCH_SET=quick bash scripts/gpu_round.sh # smaller benchmark sizes
+#   bash scripts/gpu_round.sh
+# Narrower rounds override the selections (pytest arguments, quoted as in a shell):
+#   TESTS="tests/test_quantize.py -k Kernel" SANITIZE_TESTS="tests/test_quantize.py -k one_row" \
+#   BENCHES="benchmarks/quantize.py" SANITIZE="memcheck initcheck" bash scripts/gpu_round.sh
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 export OUT=${OUT:-/tmp/jax_mila_out}; mkdir -p "$OUT"
 export JAX_MILA_CUDA_ARCHS=${JAX_MILA_CUDA_ARCHS:-80-real;89-real;90a}
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv \
-  | tee "$OUT/gpu.txt"
+export JAX_MILA_KERNELS=${JAX_MILA_KERNELS:-quantize;flash256;flash512;w4a8}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+TESTS=${TESTS:-tests}
+SANITIZE=${SANITIZE:-memcheck initcheck racecheck}
+SANITIZE_TESTS=${SANITIZE_TESTS:-tests -k "small or one_row or Kernel and not large"}
+BENCHES=${BENCHES:-benchmarks/quantize.py;benchmarks/attention.py;benchmarks/gemm.py}
+status=0
+step() { echo "== $* ($(date +%T))"; }
 
-if [ "${BENCH_SET:-full}" = quick ]; then
-  BENCHES="benchmarks/quantize.py --shapes 16384x15360;benchmarks/attention.py --seqs 8192;benchmarks/gemm.py --m 16384"
-else
-  BENCHES="benchmarks/quantize.py;benchmarks/attention.py;benchmarks/gemm.py"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+
+step "build $JAX_MILA_KERNELS for $JAX_MILA_CUDA_ARCHS"
+if ! (cd "$REPO" && python3 -m pip install --no-build-isolation --no-deps -v \
+        -Cbuild-dir=build/round -Ccmake.define.JAX_MILA_PTXAS_VERBOSE=ON .) > "$OUT/build.log" 2>&1; then
+  grep -E "error" "$OUT/build.log" | head -30; exit 1
 fi
-existing=""
-IFS=';' read -ra all <<< "$BENCHES"
-for b in "${all[@]}"; do [ -e "$REPO/${b%% *}" ] && existing="$existing;$b"; done
+grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/build.log" | sed 's/^ *//' > "$OUT/ptxas.txt"
 
-TESTS=${TESTS:-tests} SANITIZE=${SANITIZE:-memcheck initcheck racecheck} \
-SANITIZE_TESTS=${SANITIZE_TESTS:-tests -k Kernel} BENCH="$existing" \
-  bash "$REPO/scripts/gpu_dev.sh"
-status=$?
+cd /tmp  # import the installed package, not the source tree
 
-echo "== selftest"
-(cd /tmp && python3 -c "import jax_mila; jax_mila.selftest()") 2>&1 | tee "$OUT/selftest.log"
+step "tests: $TESTS"
+# TEST_XLA_FLAGS (e.g. --xla_gpu_autotune_level=0) shortens XLA compiles in the tests only;
+# the benchmarks keep XLA's defaults so its numbers are its best.
+(cd "$REPO"; eval "args=($TESTS)"; cd /tmp; XLA_FLAGS="${TEST_XLA_FLAGS:-${XLA_FLAGS:-}}" python3 -m pytest -q -p no:cacheprovider -rfs \
+   "${args[@]/#tests/$REPO/tests}") > "$OUT/tests.log" 2>&1 || status=1
+tail -15 "$OUT/tests.log"
 
-echo "== summary"
-grep -h -E "^(=|[0-9]+ (passed|failed)|.*ERROR SUMMARY)" "$OUT"/tests.log "$OUT"/sanitize_*.log 2>/dev/null | tail -8
+step selftest
+python3 -c "import jax_mila; jax_mila.selftest()" 2>&1 | tee "$OUT/selftest.log"
+
+IFS=';' read -ra benches <<< "$BENCHES"
+for b in "${benches[@]}"; do
+  b=$(echo "$b" | sed 's/^ *//'); [ -n "$b" ] || continue
+  step "bench $b"
+  python3 "$REPO"/$b 2>&1 | tee -a "$OUT/bench.log" | grep "^|"
+done
+
+for tool in $SANITIZE; do
+  step "compute-sanitizer $tool: $SANITIZE_TESTS"
+  # The platform allocator gives every buffer its own cudaMalloc, and no command buffers means
+  # every XLA kernel is an ordinary launch, so initcheck sees every write.
+  (cd "$REPO"; eval "args=($SANITIZE_TESTS)"; cd /tmp
+   XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
+   compute-sanitizer --tool "$tool" --error-exitcode 99 --kernel-name kns=mila \
+     python3 -m pytest -q -p no:cacheprovider "${args[@]/#tests/$REPO/tests}") \
+     > "$OUT/sanitize_$tool.log" 2>&1 || status=1
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/sanitize_$tool.log" | tail -3
+done
+
+step summary
+grep -h -E "[0-9]+ (passed|failed)" "$OUT"/tests.log | tail -1
+grep -h -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/sanitize_*.log 2>/dev/null
+grep -h -E "OK|MISMATCH|ERROR|NOT AVAILABLE" "$OUT/selftest.log"
 grep -h "^|" "$OUT/bench.log" 2>/dev/null
 exit $status

@@ -169,9 +169,10 @@ class KernelTest(parameterized.TestCase):
             # Newer XLA forms command buffers on the thunk sequence, after HLO optimisation,
             # so look through every dump (HLO and thunk sequences alike).
             dumped = ""
-            for name in os.listdir(dump):
-                with open(os.path.join(dump, name), errors="replace") as f:
-                    dumped += f.read()
+            for root, _, files in os.walk(dump):
+                for name in files:
+                    with open(os.path.join(root, name), errors="replace") as f:
+                        dumped += f.read()
             if not re.search(r"command.?buffer", dumped, re.IGNORECASE):
                 self.skipTest("results are correct with command buffers enabled, but this XLA "
                               "left no trace of forming one in its dumps, so graph capture of "
