@@ -23,14 +23,20 @@ def median_seconds(fn, *args, warmup: int = 3, reps: int = 10) -> float:
 
 
 def median_seconds_per_call(op, inputs, *, calls: int = 20, warmup: int = 2, reps: int = 7):
-    """For short ops: one jitted program runs `op` `calls` times, rotating over `inputs`
-    (several buffers so L2 does not serve repeats); returns the median time per call."""
-
-    @jax.jit
-    def many(inputs):
-        return [op(*inputs[i % len(inputs)]) for i in range(calls)]
-
-    return median_seconds(many, inputs, warmup=warmup, reps=reps) / calls
+    """For short ops: each timed run dispatches `op` `calls` times back to back, rotating over
+    `inputs` (several buffers so L2 does not serve repeats), and synchronises once; returns the
+    median time per call. Separate dispatches, not one jitted program with many calls: XLA's
+    CSE merges identical calls inside one program (it did, and inflated a first measurement)."""
+    fn = jax.jit(op)
+    for i in range(warmup):
+        jax.block_until_ready(fn(*inputs[i % len(inputs)]))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        outs = [fn(*inputs[i % len(inputs)]) for i in range(calls)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
