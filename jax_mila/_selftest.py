@@ -60,12 +60,26 @@ def _attention_case(d: int) -> Callable[[], str | None]:
     return check
 
 
+def _check_w4a8() -> str | None:
+    from jax_mila import quant
+
+    k1, k2 = jax.random.split(_fresh_key())
+    x = jax.random.normal(k1, (97, 256), jnp.float32).astype(jnp.bfloat16)
+    w = quant.quantize_mxfp4(jax.random.normal(k2, (136, 256), jnp.float32))
+    xq, xs = reference.quantize_activations(x)
+    y = jax.jit(lambda a, b, c: ffi.w4a8_matmul(a, b, c, out_dtype=jnp.float32))(xq, xs, w)
+    y_ref = reference.w4a8_matmul(xq, xs, w, out_dtype=jnp.float32)
+    err = float(jnp.linalg.norm(y - y_ref) / jnp.linalg.norm(y_ref))
+    return None if err <= 1e-5 else f"relative Frobenius error {err:.3g} > 1e-5"
+
+
 def _checks() -> dict[str, list[tuple[str | None, Callable[[], str | None]]]]:
     """op -> [(target or None, check)]; an op with several targets is checked per target."""
     return {
         "quantize_activations": [(None, _check_quantize)],
         "flash_attention": [(f"jax_mila_flash_attention_d{d}", _attention_case(d))
                             for d in (256, 512)],
+        "w4a8_matmul": [(None, _check_w4a8)],
     }
 
 

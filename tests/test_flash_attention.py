@@ -259,6 +259,21 @@ class FlashAttentionCpuTest(parameterized.TestCase, _Checks):
         _check_vmap(self, 256)
         _check_shard_map(self, 256, jax.devices("cpu"))
 
+    def test_d512_on_small_shared_memory_gpus_uses_the_reference(self):
+        # sm_89 offers 99 KB of shared memory per block, too little for the D=512 kernel: the
+        # call must trace to the reference there (no custom call in the jaxpr; lowering for CPU
+        # would drop the CUDA branch anyway), while D=256 keeps its kernel branch.
+        from unittest import mock
+        from jax_mila.ffi import _registry
+        forced = lambda op, target=None: _registry.OpStatus(op, True, "forced by the test")
+        with mock.patch.object(_registry, "status", forced), \
+             mock.patch.object(_registry, "cuda_capabilities", return_value=((8, 9),)):
+            for d, kernel_expected in ((512, False), (256, True)):
+                q, k, v = _inputs(_fresh_seed(), 1, 8, 8, 2, 1, d)
+                jaxpr = str(jax.make_jaxpr(
+                    lambda q, k, v: ffi.flash_attention(q, k, v, causal=True))(q, k, v))
+                self.assertEqual(f"jax_mila_flash_attention_d{d}" in jaxpr, kernel_expected, d)
+
     def test_kernel_branch_types_match_under_shard_map(self):
         # Pretend the kernel exists so lax.platform_dependent traces the ffi_call branch too:
         # inside shard_map both branches must carry the same varying mesh axes.

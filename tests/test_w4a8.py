@@ -16,7 +16,6 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from jax_mila import ffi, quant, reference, testing
-from jax_mila.ffi import w4a8 as w4a8_module
 
 
 def _seed() -> int:
@@ -120,23 +119,19 @@ class W4A8ReferenceTest(parameterized.TestCase):
                 ffi.w4a8_matmul(args["x_fp8"], args["x_scale"], args["w"], **kwargs)
 
     def test_sm80_devices_route_to_the_reference(self):
-        class FakeDevice:
-            platform = "gpu"
-            compute_capability = "8.0"
-
-        w4a8_module._devices_have_fp8_mma.cache_clear()
-        try:
-            with mock.patch.object(jax, "devices", return_value=[FakeDevice()]):
-                self.assertFalse(w4a8_module._devices_have_fp8_mma())
-            xq, xs, w = self._good()
-            no_dispatch = AssertionError("dispatched")
-            with mock.patch.object(w4a8_module, "_devices_have_fp8_mma", return_value=False), \
-                 mock.patch.object(w4a8_module, "dispatch", side_effect=no_dispatch):
-                y = ffi.w4a8_matmul(xq, xs, w)
-            np.testing.assert_array_equal(np.asarray(y),
-                                          np.asarray(reference.w4a8_matmul(xq, xs, w)))
-        finally:
-            w4a8_module._devices_have_fp8_mma.cache_clear()
+        # With the kernel "built" and a GPU older than sm_89 in the process, the call must trace
+        # to the reference (no custom call in the jaxpr) rather than fail inside the handler.
+        from jax_mila.ffi import _registry
+        forced = lambda op, target=None: _registry.OpStatus(op, True, "forced by the test")
+        xq, xs, w = self._good()
+        with mock.patch.object(_registry, "status", forced), \
+             mock.patch.object(_registry, "cuda_capabilities", return_value=((8, 0),)):
+            # A fresh lambda: make_jaxpr caches traces per function, and mocks do not show.
+            jaxpr = str(jax.make_jaxpr(lambda *a: ffi.w4a8_matmul(*a))(xq, xs, w))
+            y = ffi.w4a8_matmul(xq, xs, w)
+        self.assertNotIn("jax_mila_w4a8_matmul", jaxpr)
+        np.testing.assert_array_equal(np.asarray(y),
+                                      np.asarray(reference.w4a8_matmul(xq, xs, w)))
 
 
 def _kernels_for_device():

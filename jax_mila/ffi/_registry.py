@@ -153,14 +153,38 @@ def _vary_like_inputs(kernel_fn: Callable) -> Callable:
     return call
 
 
+@functools.cache
+def cuda_capabilities() -> tuple[tuple[int, int], ...]:
+    """Compute capabilities (major, minor) of this process's CUDA devices."""
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return ()
+    caps = []
+    for d in devices:
+        major, minor = str(getattr(d, "compute_capability", "0.0")).split(".")
+        caps.append((int(major), int(minor)))
+    return tuple(caps)
+
+
 def dispatch(op: str, kernel_fn: Callable, reference_fn: Callable, *args,
-             target: str | None = None):
+             target: str | None = None,
+             device_ok: Callable[[tuple[int, int]], bool] | None = None,
+             device_requirement: str = ""):
     """Calls `kernel_fn(*args)` when lowering for CUDA and the kernel is usable,
-    `reference_fn(*args)` otherwise (CPU, kernel not built, or disabled)."""
+    `reference_fn(*args)` otherwise (CPU, kernel not built, or disabled). `device_ok(cc)`
+    says whether a GPU of compute capability `cc` can run the kernel (e.g. enough shared
+    memory); when some device of the process cannot, the call uses the reference and says why
+    once (`device_requirement` is that reason)."""
     st = status(op, target)
     if not st.kernel:
         if _has_cuda_backend():
             _warn_once(op, st.reason)
+        return reference_fn(*args)
+    caps = cuda_capabilities()
+    if device_ok is not None and not all(device_ok(cc) for cc in caps):
+        _warn_once(op, f"{device_requirement}; this process has GPUs of compute capability "
+                       f"{sorted(set(caps))}")
         return reference_fn(*args)
     return jax.lax.platform_dependent(*args, cuda=_vary_like_inputs(kernel_fn),
                                       default=reference_fn)

@@ -20,6 +20,9 @@ from jax_mila.ffi._registry import dispatch
 OP = "flash_attention"
 HEAD_DIMS = (256, 512)
 MAX_GROUPS = 16
+# The D=512 kernel keeps a 64 x 512 Q tile resident beside its K and V tiles: it needs the
+# 160+ KB of shared memory per block of sm_80 and sm_90 (sm_86/sm_89 offer 99 KB).
+D512_CAPABILITIES = ((8, 0), (9, 0))
 
 
 def _validate(q, k, v, scale, causal, window, q_offset, kv_offset) -> None:
@@ -69,9 +72,16 @@ def _make_call(target, scale, causal, window):
         return reference.flash_attention(q, k, v, scale=scale, causal=causal, window=window,
                                          q_offset=q_offset, kv_offset=kv_offset, return_lse=True)
 
+    device_ok = None
+    if target.endswith("d512"):
+        device_ok = lambda cc: cc in D512_CAPABILITIES  # noqa: E731
+
     @jax.custom_batching.custom_vmap
     def call(q, k, v, q_offset, kv_offset):
-        return dispatch(OP, kernel, ref, q, k, v, q_offset, kv_offset, target=target)
+        return dispatch(OP, kernel, ref, q, k, v, q_offset, kv_offset, target=target,
+                        device_ok=device_ok,
+                        device_requirement="the D=512 kernel needs >= 160 KB of shared memory "
+                                           "per block (sm_80, sm_90)")
 
     @call.def_vmap
     def _batched(axis_size, in_batched, q, k, v, q_offset, kv_offset):

@@ -87,20 +87,6 @@ def _validate(x, x_scale, w, out_dtype, kernel) -> None:
                                       "(supported: bfloat16, float32)")
 
 
-@functools.cache
-def _devices_have_fp8_mma() -> bool:
-    """False when any CUDA device of this process is older than sm_89 (no FP8 mma.sync)."""
-    try:
-        devices = jax.devices("cuda")
-    except RuntimeError:
-        return True  # no CUDA backend: dispatch picks the reference anyway
-    for d in devices:
-        cc = str(getattr(d, "compute_capability", "0.0")).split(".")
-        if (int(cc[0]), int(cc[1])) < MIN_COMPUTE_CAPABILITY:
-            return False
-    return True
-
-
 def _kernel(out_dtype, variant, x2, s1, packed, scales, channel_exp):
     out = jax.ShapeDtypeStruct((x2.shape[0], packed.shape[0]), out_dtype)
     call = jax.ffi.ffi_call("jax_mila_w4a8_matmul", out, vmap_method="sequential")
@@ -125,8 +111,7 @@ def w4a8_matmul(x_fp8, x_scale, w: MXFP4Weight, *, out_dtype=jnp.bfloat16, kerne
     kernel_fn = functools.partial(_kernel, out_dtype, KERNELS[kernel])
     ref = functools.partial(_reference, out_dtype)
     args = (x2, s1, w.packed, w.scales, w.channel_exp)
-    if _devices_have_fp8_mma():
-        y = dispatch(OP, kernel_fn, ref, *args)
-    else:
-        y = ref(*args)
+    y = dispatch(OP, kernel_fn, ref, *args,
+                 device_ok=lambda cc: cc >= MIN_COMPUTE_CAPABILITY,
+                 device_requirement="the W4A8 kernel needs FP8 mma (compute capability >= 8.9)")
     return y.reshape(*lead, w.shape[0])
