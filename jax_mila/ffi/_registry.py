@@ -116,13 +116,6 @@ def _warn_once(op: str, reason: str) -> None:
     log.warning("jax_mila.%s runs on the pure-JAX reference on GPU: %s", op, reason)
 
 
-def _has_cuda_backend() -> bool:
-    try:
-        return any(d.platform == "gpu" for d in jax.devices())
-    except RuntimeError:
-        return False
-
-
 def _varying_axes(x) -> frozenset:
     """Mesh axes over which `x` varies inside shard_map (empty outside). jax 0.11 calls them
     `vma`; jax 0.10 keeps them in `manual_axis_type.varying`."""
@@ -178,7 +171,7 @@ def dispatch(op: str, kernel_fn: Callable, reference_fn: Callable, *args,
     once (`device_requirement` is that reason)."""
     st = status(op, target)
     if not st.kernel:
-        if _has_cuda_backend():
+        if cuda_capabilities():
             _warn_once(op, st.reason)
         return reference_fn(*args)
     caps = cuda_capabilities()
