@@ -4,6 +4,12 @@
                                 [--new-tokens 32] [--dtype bfloat16] [--backend auto]
     python -m jax_mila prefill  [same prompt options]
     python -m jax_mila selftest
+    python -m jax_mila convert --model SRC --out DST [--quantize w4a8|none]
+
+prefill / generate take ``--quantize w4a8`` (MXFP4 weights x FP8 activations; a checkpoint
+written by ``convert`` is loaded in that format automatically). ``convert`` writes SRC's text
+decoder to DST with MXFP4 linear weights (see jax_mila/gemma4/convert.py); the other towers
+are not copied.
 
 Without --model the small embedded checkpoint (random weights) is used, so the commands run
 anywhere, CPU included; they print the tokens and the prefill / decode throughput.
@@ -61,13 +67,21 @@ def _run(args) -> None:
     from jax_mila import gemma4
 
     args.model = os.fspath(args.model or gemma4.embedded_checkpoint())
-    model = gemma4.from_pretrained(args.model, dtype=jnp.dtype(args.dtype), backend=args.backend)
+    quantize = _quantize_arg(args.quantize)
+    if args.quantize is None and os.path.isdir(args.model) and _stored_format(args.model) is not None:
+        quantize = "w4a8"  # a converted checkpoint exists only in MXFP4
+    try:
+        model = gemma4.from_pretrained(args.model, dtype=jnp.dtype(args.dtype),
+                                       backend=args.backend, quantize=quantize)
+    except gemma4.loader.CheckpointError as e:
+        sys.exit(f"--model {args.model}: {e}")
     cfg = model.config
     ids, tokenizer = _prompt_ids(args, cfg.vocab_size)
     batch, length = ids.shape
     new = args.new_tokens if args.command == "generate" else 0
     print(f"model {args.model} ({cfg.model_type}, {cfg.num_hidden_layers} layers, hidden "
-          f"{cfg.hidden_size}), {args.dtype}, backend {args.backend}, device {jax.devices()[0]}")
+          f"{cfg.hidden_size}), {args.dtype}, backend {args.backend}, weights "
+          f"{quantize or 'dense'}, device {jax.devices()[0]}")
     print(f"prompt: {length} tokens" + (f": {ids[0].tolist()}" if length <= 32 else ""))
 
     cap = length + new
@@ -95,6 +109,41 @@ def _run(args) -> None:
         print(f"generated text: {tokenizer.decode(out)!r}")
 
 
+def _quantize_arg(value):
+    return None if value in (None, "none") else value
+
+
+def _stored_format(path):
+    from jax_mila.gemma4 import mxfp4_names
+
+    try:
+        return mxfp4_names.checkpoint_format(path)
+    except (OSError, ValueError):
+        return None  # from_pretrained reports it
+
+
+def _convert(args, parser) -> None:
+    from jax_mila.gemma4.convert import convert
+    from jax_mila.gemma4.loader import CheckpointError
+
+    if not os.path.isdir(args.model):
+        _fail(parser, f"--model {args.model}: not a directory")
+    try:
+        summary = convert(args.model, args.out, quantize=_quantize_arg(args.quantize),
+                          progress=not args.quiet)
+    except (CheckpointError, ValueError, OSError) as e:
+        _fail(parser, str(e))
+    ratio = summary["mxfp4_bytes"] / max(summary["dense_bytes_of_quantized"], 1)
+    print(f"wrote {args.out}: {summary['tensors']} tensors ({summary['quantized']} linear weights "
+          f"as MXFP4, {ratio:.3f} of their dense size) in {len(summary['files'])} file(s), "
+          f"{summary['bytes_written'] / 2**20:,.1f} MiB")
+
+
+def _fail(parser, message: str):
+    """One line on stderr, exit status 2 (argparse's convention for bad arguments)."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m jax_mila", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,8 +160,19 @@ def main(argv=None) -> None:
         p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
         p.add_argument("--backend", default="auto", choices=("auto", "mila", "reference"))
         p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompt")
+        p.add_argument("--quantize", choices=("none", "w4a8"), default=None,
+                       help="weight format (default: dense, or as stored in a converted checkpoint)")
     sub.add_parser("selftest", help="run each op once against its reference (jax_mila.selftest)")
+    p = sub.add_parser("convert", help="write a checkpoint's text decoder with MXFP4 weights")
+    p.add_argument("--model", required=True, help="source checkpoint directory (single file or sharded)")
+    p.add_argument("--out", required=True, help="output directory (created; must not hold a checkpoint)")
+    p.add_argument("--quantize", choices=("w4a8", "none"), default="w4a8",
+                   help="weight format of the linears (default w4a8; none copies them dense)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    if args.command == "convert":
+        _convert(args, parser)
+        return
     if args.command == "selftest":
         import jax_mila
 

@@ -59,6 +59,25 @@ CONFIGS = {
 }
 
 
+# W4A8 test models (tests/test_gemma4_quantized.py; not in the parity sweep): every size a
+# multiple of 128 where the W4A8 kernel needs it (hidden, intermediate, q heads * head_dim), so
+# the attention and MLP linears are quantized; PLE's 16 -> 128 projection and the MoE router
+# stay dense. Covers PLE, KV sharing, double-wide MLP, MoE and K=V full layers.
+QUANTIZABLE_CONFIGS = {
+    "w4a8_all_features": dict(
+        cls="gemma4", vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=5,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64,
+        num_global_key_value_heads=1, attention_k_eq_v=True, layer_types=[S, S, F, S, F],
+        num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=256, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=64, sliding_window=8, final_logit_softcapping=30.0),
+}
+
+
+def _spec(name: str) -> dict:
+    return CONFIGS[name] if name in CONFIGS else QUANTIZABLE_CONFIGS[name]
+
+
 def _classes(kind: str):
     if kind == "gemma4":
         from transformers import Gemma4ForCausalLM, Gemma4TextConfig
@@ -69,7 +88,7 @@ def _classes(kind: str):
 
 def build(name: str, *, seed: int = 0, dtype=torch.float32):
     """A random HF model (eval, eager attention) for CONFIGS[name]."""
-    spec = dict(CONFIGS[name])
+    spec = dict(_spec(name))
     config_cls, model_cls = _classes(spec.pop("cls"))
     spec.pop("flat_config", None), spec.pop("nested", None)
     cfg = config_cls(initializer_range=0.1, pad_token_id=0, bos_token_id=2, eos_token_id=1, **spec)
@@ -91,7 +110,7 @@ def build(name: str, *, seed: int = 0, dtype=torch.float32):
 def save(model, name: str, directory: str) -> str:
     """save_pretrained, then rewrite into the variant's on-disk form. Returns the directory."""
     model.save_pretrained(directory)
-    spec = CONFIGS[name]
+    spec = _spec(name)
     path = os.path.join(directory, "config.json")
     with open(path) as f:
         cfg = json.load(f)

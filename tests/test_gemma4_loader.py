@@ -104,8 +104,8 @@ class LoaderTest(parameterized.TestCase):
         self.assertEqual(model.config.kv_sources, {"sliding_attention": 3, "full_attention": 2})
 
     def test_quantize_and_backend_are_checked(self):
-        with self.assertRaisesRegex(ValueError, "quantize='w4a8' is not implemented"):
-            gemma4.from_pretrained(self.dir, quantize="w4a8")
+        with self.assertRaisesRegex(ValueError, "quantize='int4' is not supported"):
+            gemma4.from_pretrained(self.dir, quantize="int4")
         with self.assertRaisesRegex(ValueError, "backend='cuda' is not supported"):
             gemma4.from_pretrained(self.dir, backend="cuda")
 

@@ -36,8 +36,8 @@ class LinearTest(parameterized.TestCase):
     def test_rejects_unknown_backend_and_quantize(self):
         with self.assertRaisesRegex(ValueError, "backend='gpu' is not supported"):
             nn.Linear(2, 2, backend="gpu")
-        with self.assertRaisesRegex(ValueError, "quantize='w4a8' is not implemented"):
-            nn.Linear(2, 2, quantize="w4a8")
+        with self.assertRaisesRegex(ValueError, "quantize='int4' is not supported"):
+            nn.Linear(2, 2, quantize="int4")
 
 
 class NormTest(absltest.TestCase):

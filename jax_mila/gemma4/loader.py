@@ -7,6 +7,8 @@
 - Builds the model abstractly (nnx.eval_shape: no weights are allocated), then fills each
   parameter from its tensor one at a time (PyTorch [out, in] -> Flax [in, out] transposed once,
   cast to the model dtype), so host memory never holds two full copies of the weights.
+- ``quantize="w4a8"``: linears the W4A8 kernel can take are quantized to MXFP4 as each tensor
+  is read (or read as stored from a converted checkpoint; names in mxfp4_names.py).
 - Every parameter must come from the checkpoint: a missing or mis-shaped tensor raises
   CheckpointError naming the tensor, the expected and the found shape.
 """
@@ -23,8 +25,11 @@ import jax.numpy as jnp
 from flax import nnx
 from safetensors import safe_open
 
+from jax_mila import nn
+from jax_mila.gemma4 import mxfp4_names
 from jax_mila.gemma4.config import Gemma4Config
 from jax_mila.gemma4.model import Gemma4ForCausalLM
+from jax_mila.quant.mxfp4 import MXFP4Weight, quantize_mxfp4
 
 log = logging.getLogger("jax_mila")
 
@@ -67,32 +72,108 @@ def _checkpoint_name(path: tuple, prefix: str) -> tuple[str, tuple[int, ...] | N
     return (name if name.startswith("lm_head.") else prefix + name), perm
 
 
-def load_weights(model: Gemma4ForCausalLM, path: str | os.PathLike) -> Gemma4ForCausalLM:
-    """Fills every parameter of ``model`` (abstract or not) from the checkpoint at ``path``."""
-    path = os.fspath(path)
-    files = _tensor_files(path)
+def find_prefix(path: str, files: dict[str, str]) -> str:
+    """The decoder's tensor-name prefix ("model.language_model." or "model.")."""
     prefix = next((p for p in PREFIXES if any(n.startswith(p + "embed_tokens.") for n in files)), None)
     if prefix is None:
         raise CheckpointError(f"{path}: no embed_tokens.weight under any of {PREFIXES}")
-    dtype = model.dtype
+    return prefix
+
+
+def linear_weight_name(module_path: tuple, prefix: str) -> str:
+    """HF name (``...weight``) of the weight of the nn.Linear at ``module_path``."""
+    return _checkpoint_name(tuple(module_path) + ("kernel",), prefix)[0]
+
+
+def quantized_linears(model: Gemma4ForCausalLM):
+    """(module path, Linear) of every linear of ``model`` that holds an MXFP4 weight."""
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nn.Linear) and node.quantize == "w4a8":
+            yield path, node
+
+
+def dense_params(model: Gemma4ForCausalLM):
+    """(parameter path, nnx.Param) of every dense parameter of ``model``."""
+    for path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Param):
+            yield path, var
+
+
+class _Reader:
+    """Reads tensors by name from a checkpoint's files, keeping each file open once."""
+
+    def __init__(self, path: str, files: dict[str, str], stack: contextlib.ExitStack):
+        self.path, self.files, self.stack, self.handles = path, files, stack, {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def read(self, name: str, expected: tuple[int, ...], dtype=None):
+        """The tensor ``name``; CheckpointError naming it when missing or not ``expected``."""
+        if name not in self.files:
+            raise CheckpointError(f"{self.path}: tensor {name} is missing (expected shape {list(expected)})")
+        file = self.files[name]
+        if file not in self.handles:
+            self.handles[file] = self.stack.enter_context(safe_open(file, framework="flax"))
+        tensor = self.handles[file].get_tensor(name)
+        if tuple(tensor.shape) != tuple(expected):
+            raise CheckpointError(f"{self.path}: tensor {name} has shape {list(tensor.shape)}, "
+                                  f"expected {list(expected)}")
+        if dtype is not None and tensor.dtype != dtype:
+            raise CheckpointError(f"{self.path}: tensor {name} has dtype {tensor.dtype}, "
+                                  f"expected {jnp.dtype(dtype).name}")
+        return tensor
+
+
+def read_mxfp4(reader: _Reader, weight_name: str, out_features: int, in_features: int):
+    """The MXFP4 weight of ``weight_name`` [out, in]: read as stored when the checkpoint holds
+    its three MXFP4 tensors (written by convert), else quantized from the dense tensor.
+    Returns (MXFP4Weight, names of the tensors read)."""
+    names = mxfp4_names.tensor_names(weight_name)
+    if any(n in reader for n in names.values()):
+        shapes = mxfp4_names.expected_shapes(out_features, in_features)
+        fields = {f: reader.read(names[f], shapes[f], jnp.uint8) for f in mxfp4_names.FIELDS}
+        # Cheap consistency check (the kernel scales every block against channel_exp): catches
+        # tensors mixed up between layers or written by something else than quantize_mxfp4.
+        if not bool(jnp.all(fields["channel_exp"] == jnp.max(fields["scales"], axis=1))):
+            raise CheckpointError(f"{reader.path}: {names['channel_exp']} is not the row maximum of "
+                                  f"{names['scales']}; not a valid MXFP4 weight")
+        return MXFP4Weight(**fields), list(names.values())
+    dense = reader.read(weight_name, (out_features, in_features))
+    try:
+        return quantize_mxfp4(dense, name=weight_name), [weight_name]
+    except ValueError as e:  # NaN / inf in the checkpoint
+        raise CheckpointError(f"{reader.path}: {e}") from None
+
+
+def load_weights(model: Gemma4ForCausalLM, path: str | os.PathLike) -> Gemma4ForCausalLM:
+    """Fills every parameter of ``model`` (abstract or not) from the checkpoint at ``path``.
+
+    Quantized linears (``quantize="w4a8"``) take their MXFP4 tensors as stored, or quantize the
+    dense tensor when the checkpoint has none -- one tensor at a time, so the dense model is
+    never materialised."""
+    path = os.fspath(path)
+    files = _tensor_files(path)
+    prefix = find_prefix(path, files)
     used = set()
     with contextlib.ExitStack() as stack:
-        handles = {}
-        for param_path, var in nnx.iter_graph(model):
-            if not isinstance(var, nnx.Param):
-                continue
+        reader = _Reader(path, files, stack)
+        for module_path, linear in quantized_linears(model):
+            name = linear_weight_name(module_path, prefix)
+            w, names = read_mxfp4(reader, name, linear.out_features, linear.in_features)
+            linear.set_mxfp4(w)
+            used.update(names)
+            del w
+        for param_path, var in dense_params(model):
             name, perm = _checkpoint_name(param_path, prefix)
             expected = tuple(var.get_value().shape)
             hf_shape = expected if perm is None else tuple(expected[i] for i in perm)
-            if name not in files:
-                raise CheckpointError(f"{path}: tensor {name} is missing (expected shape {list(hf_shape)})")
-            file = files[name]
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(file, framework="flax"))
-            tensor = handles[file].get_tensor(name)
-            if tuple(tensor.shape) != hf_shape:
-                raise CheckpointError(f"{path}: tensor {name} has shape {list(tensor.shape)}, "
-                                      f"expected {list(hf_shape)}")
+            if name not in reader and name.endswith(mxfp4_names.SUFFIX) and \
+                    mxfp4_names.tensor_names(name)["packed"] in reader:
+                raise CheckpointError(
+                    f"{path}: tensor {name} is stored as MXFP4 ({mxfp4_names.tensor_names(name)['packed']}, "
+                    f"...), but the model wants it dense; load this checkpoint with quantize='w4a8'")
+            tensor = reader.read(name, hf_shape)
             value = tensor if perm is None else jnp.transpose(tensor, perm)
             var.set_value(value.astype(var.get_value().dtype))
             del tensor, value
@@ -129,8 +210,24 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, backend: str
 
     ``dtype``: parameter and activation dtype (bf16 like the released weights, or float32 for
     parity). ``backend``: "auto", "mila" (jax_mila kernels where they apply) or "reference".
-    ``quantize``: weight format of the linears; only None (dense) exists yet.
+    ``quantize``: weight format of the linears: None (dense) or "w4a8" (MXFP4 weights, FP8
+    activations; see jax_mila.nn.Linear). With "w4a8" a dense checkpoint is quantized while
+    loading, tensor by tensor; a checkpoint written by ``python -m jax_mila convert`` is read
+    as stored. Such a converted checkpoint cannot be loaded with quantize=None (CheckpointError:
+    its linears exist only in MXFP4; dequantizing them would silently give a different model
+    than the dense original).
     """
+    nn.check_quantize(quantize)
+    path = os.fspath(path)
+    try:
+        stored = mxfp4_names.checkpoint_format(path)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no config.json") from None
+    if stored is not None and quantize != "w4a8":
+        raise CheckpointError(f"{path}: the checkpoint holds MXFP4 weights ({mxfp4_names.CONFIG_KEY}="
+                              f"{stored}); load it with quantize='w4a8' (got quantize={quantize!r})")
     cfg = Gemma4Config.from_pretrained(path)
     model = nnx.eval_shape(lambda: Gemma4ForCausalLM(cfg, dtype=dtype, backend=backend,
                                                      quantize=quantize, rngs=nnx.Rngs(0)))

@@ -29,8 +29,11 @@ class Gemma4Router(nnx.Module):
     def __init__(self, hidden: int, num_experts: int, top_k: int, *, eps, backend, dtype,
                  param_dtype, quantize, rngs: nnx.Rngs):
         self.hidden, self.top_k, self.eps, self.dtype = hidden, top_k, eps, dtype
+        # Always dense, also under quantize="w4a8": it is tiny (E x H) and FP8/MXFP4 rounding
+        # of the routing scores would flip near-tied expert choices (see above).
+        del quantize
         self.proj = nn.Linear(hidden, num_experts, backend=backend, dtype=jnp.float32,
-                              param_dtype=param_dtype, quantize=quantize, rngs=rngs)
+                              param_dtype=param_dtype, quantize=None, rngs=rngs)
         self.scale = nnx.Param(jnp.ones((hidden,), param_dtype))
         self.per_expert_scale = nnx.Param(jnp.ones((num_experts,), param_dtype))
 

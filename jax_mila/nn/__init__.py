@@ -1,15 +1,15 @@
 """Flax NNX building blocks whose compute backend is chosen at construction.
 
 ``Linear`` and ``Attention`` are the seams where the CUDA kernels plug in; models are written
-against these modules only, so switching backend (or, later, weight format) never touches
-model code.
+against these modules only, so switching backend or weight format (``quantize="w4a8"``:
+MXFP4 weights held in ``MXFP4Param`` variables) never touches model code.
 """
 
 from jax_mila.nn.attention import Attention
 from jax_mila.nn.backend import BACKENDS, check_backend
 from jax_mila.nn.embed import Embed
-from jax_mila.nn.linear import QUANTIZE_MODES, Linear, check_quantize
+from jax_mila.nn.linear import QUANTIZE_MODES, Linear, MXFP4Param, check_quantize
 from jax_mila.nn.norm import RMSNorm, rms_norm
 
-__all__ = ["Attention", "BACKENDS", "Embed", "Linear", "QUANTIZE_MODES", "RMSNorm",
+__all__ = ["Attention", "BACKENDS", "Embed", "Linear", "MXFP4Param", "QUANTIZE_MODES", "RMSNorm",
            "check_backend", "check_quantize", "rms_norm"]

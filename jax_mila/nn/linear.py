@@ -1,33 +1,86 @@
-"""Linear: y = x @ kernel, with the kernel stored [in, out] (Flax layout), no bias.
+"""Linear: y = x @ kernel, no bias; dense (kernel [in, out], Flax layout) or W4A8.
 
-Every projection of the model goes through this module, so a quantized weight format can be
-added here (``quantize="w4a8"``: MXFP4 weights through jax_mila.ffi.w4a8_matmul) without the
-model changing. Today only ``quantize=None`` (a plain dense kernel) exists.
+Every projection of the model goes through this module, so the weight format is chosen here
+and the model never changes with it:
+
+- ``quantize=None``: a dense ``kernel`` nnx.Param [in_features, out_features] in param_dtype.
+- ``quantize="w4a8"``: the weight is stored as MXFP4 (jax_mila.quant.mxfp4: 4.25 bits per
+  value) in three uint8 :class:`MXFP4Param` variables ``packed`` [out, in/2], ``scales``
+  [out, in/32] and ``channel_exp`` [out] -- [N=out, K=in], the orientation the format and the
+  kernel use, i.e. the transpose of the dense kernel (and exactly a PyTorch/HF [out, in]
+  weight). The forward pass quantizes the activations per row to FP8 e4m3
+  (quantize_activations) and runs w4a8_matmul (FP8 x MXFP4 on tensor cores, float32
+  accumulation). Shapes the kernels cannot take (in_features % 128 or out_features % 8
+  nonzero) stay dense, with one log line per shape on the "jax_mila" logger.
+
+``MXFP4Param`` is its own nnx.Variable type (not nnx.Param), so optimizers and anything else
+filtering on nnx.Param never see the integer codes.
 """
 
 from __future__ import annotations
+
+import logging
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_mila import ffi, reference
 from jax_mila.nn.backend import check_backend
+from jax_mila.quant.mxfp4 import MXFP4Weight, quantize_mxfp4
 
-QUANTIZE_MODES = (None,)
+log = logging.getLogger("jax_mila")
+
+QUANTIZE_MODES = (None, "w4a8")
+W4A8_K_MULTIPLE = ffi.w4a8.K_MULTIPLE  # 128: MXFP4 kernel-order group / the kernel's K tile
+W4A8_N_MULTIPLE = ffi.w4a8.N_MULTIPLE  # 8
+MXFP4_FIELDS = ("packed", "scales", "channel_exp")  # MXFP4Weight's fields, in order
+
+_logged_fallbacks: set[tuple[int, int]] = set()  # shapes already reported as staying dense
+
+
+class MXFP4Param(nnx.Variable):
+    """One uint8 array of an MXFP4 weight (packed codes, block exponents or channel exponents).
+
+    Deliberately not an nnx.Param: the values are integer codes, not trainable parameters."""
 
 
 def check_quantize(quantize) -> None:
     """Raises ValueError for a quantization mode this build does not implement."""
     if quantize not in QUANTIZE_MODES:
-        raise ValueError(f"quantize={quantize!r} is not implemented yet (supported: {QUANTIZE_MODES}); "
-                         "the w4a8 weight format arrives with jax_mila.quant")
+        raise ValueError(f"quantize={quantize!r} is not supported (supported: {QUANTIZE_MODES}; "
+                         "'w4a8' = MXFP4 weights x FP8 activations)")
+
+
+def w4a8_unsupported_reason(in_features: int, out_features: int) -> str | None:
+    """Why the W4A8 kernels cannot take a [in_features -> out_features] projection, or None."""
+    if in_features % W4A8_K_MULTIPLE:
+        return f"in_features={in_features} is not a multiple of {W4A8_K_MULTIPLE}"
+    if out_features % W4A8_N_MULTIPLE:
+        return f"out_features={out_features} is not a multiple of {W4A8_N_MULTIPLE}"
+    return None
+
+
+def _log_fallback(in_features: int, out_features: int, reason: str) -> None:
+    if (in_features, out_features) in _logged_fallbacks:
+        return
+    _logged_fallbacks.add((in_features, out_features))
+    log.info("quantize='w4a8': Linear %d -> %d stays dense (%s; the W4A8 kernel needs "
+             "in %% %d == 0 and out %% %d == 0)", in_features, out_features, reason,
+             W4A8_K_MULTIPLE, W4A8_N_MULTIPLE)
 
 
 class Linear(nnx.Module):
-    """Bias-free dense layer. ``kernel`` is [in_features, out_features] in ``param_dtype``.
+    """Bias-free linear layer.
 
-    The product accumulates in float32 and is rounded once to ``dtype`` (like a bf16 PyTorch
-    ``nn.Linear`` on GPU/CPU), so bf16 models round exactly once per projection.
+    Dense: ``kernel`` is [in_features, out_features] in ``param_dtype``; the product accumulates
+    in float32 and is rounded once to ``dtype`` (like a bf16 PyTorch ``nn.Linear``), so bf16
+    models round exactly once per projection.
+
+    W4A8 (``quantize="w4a8"``, where the shape allows; ``self.quantize`` then reads "w4a8",
+    else None): activations are cast to bf16 (the quantizer's input), quantized per row to
+    FP8 and multiplied with the MXFP4 weight in float32, rounded once to ``dtype`` (bf16 or
+    float32 straight from the kernel; other dtypes via float32).
     """
 
     def __init__(self, in_features: int, out_features: int, *, backend: str = "auto",
@@ -35,14 +88,80 @@ class Linear(nnx.Module):
                  rngs: nnx.Rngs | None = None):
         check_backend(backend)
         check_quantize(quantize)
+        if quantize == "w4a8":
+            reason = w4a8_unsupported_reason(in_features, out_features)
+            if reason is not None:
+                _log_fallback(in_features, out_features, reason)
+                quantize = None
         self.in_features, self.out_features = in_features, out_features
         self.backend, self.dtype, self.quantize = backend, dtype, quantize
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         init = jax.nn.initializers.normal(stddev=in_features**-0.5)
-        self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), param_dtype))
+        if quantize is None:
+            self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), param_dtype))
+        else:
+            # A random weight quantized like a checkpoint's; check_finite=False keeps this
+            # traceable (nnx.eval_shape builds models abstractly before loading).
+            w = quantize_mxfp4(init(rngs.params(), (out_features, in_features), jnp.float32),
+                               check_finite=False)
+            self.set_mxfp4(w)
+
+    # ---- the MXFP4 weight -----------------------------------------------------------------
+
+    @property
+    def mxfp4(self) -> MXFP4Weight:
+        """The quantized weight [out_features, in_features] (W4A8 layers only)."""
+        if self.quantize != "w4a8":
+            raise AttributeError(f"Linear {self.in_features} -> {self.out_features} is dense")
+        return MXFP4Weight(*(getattr(self, f)[...] for f in MXFP4_FIELDS))
+
+    def set_mxfp4(self, w: MXFP4Weight) -> None:
+        """Replaces the quantized weight (shape [out_features, in_features])."""
+        if tuple(w.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"MXFP4 weight of shape {list(w.shape)} does not fit Linear "
+                             f"{self.in_features} -> {self.out_features} (expected "
+                             f"[{self.out_features}, {self.in_features}])")
+        w.validate("w")
+        for field in MXFP4_FIELDS:
+            value = getattr(w, field)
+            if hasattr(self, field):
+                getattr(self, field).set_value(value)
+            else:
+                setattr(self, field, MXFP4Param(value))
+
+    @classmethod
+    def quantize_from(cls, kernel, *, backend: str = "auto", dtype=jnp.float32,
+                      param_dtype=jnp.float32) -> "Linear":
+        """A ``quantize="w4a8"`` Linear holding the MXFP4 quantization of a dense Flax kernel
+        [in_features, out_features] (concrete; NaN/inf raise). Shapes the kernel cannot take
+        give a dense Linear holding ``kernel`` (with the fallback log line)."""
+        in_features, out_features = kernel.shape
+        layer = nnx.eval_shape(lambda: cls(in_features, out_features, backend=backend,
+                                           dtype=dtype, param_dtype=param_dtype,
+                                           quantize="w4a8", rngs=nnx.Rngs(0)))
+        if layer.quantize == "w4a8":
+            layer.set_mxfp4(quantize_mxfp4(jnp.asarray(kernel).T, name="kernel"))
+        else:
+            layer.kernel.set_value(jnp.asarray(kernel, param_dtype))
+        return layer
+
+    # ---- forward --------------------------------------------------------------------------
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.quantize == "w4a8":
+            return self._w4a8(x)
         x = x.astype(self.dtype)
         kernel = self.kernel[...].astype(self.dtype)
         y = jnp.einsum("...i,io->...o", x, kernel, preferred_element_type=jnp.float32)
         return y.astype(self.dtype)
+
+    def _w4a8(self, x: jax.Array) -> jax.Array:
+        ops = reference if self.backend == "reference" else ffi
+        lead = x.shape[:-1]
+        # The quantizer takes bf16 rows (rank >= 2); a float32 model's activations are rounded
+        # to bf16 first, which costs far less than the FP8 rounding that follows.
+        rows = x.astype(jnp.bfloat16).reshape(-1, self.in_features)
+        q, s = ops.quantize_activations(rows)
+        out_dtype = self.dtype if jnp.dtype(self.dtype) == jnp.dtype(jnp.bfloat16) else jnp.float32
+        y = ops.w4a8_matmul(q, s, self.mxfp4, out_dtype=out_dtype)
+        return y.reshape(*lead, self.out_features).astype(self.dtype)

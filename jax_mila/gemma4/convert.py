@@ -1,0 +1,177 @@
+"""``python -m jax_mila convert``: rewrites a Gemma 4 checkpoint's text decoder with MXFP4
+(W4A8) linear weights, streaming one tensor at a time.
+
+    convert(src, dst, quantize="w4a8")
+
+- Reads ``model.safetensors`` or a sharded index from ``src``; writes only the tensors the text
+  decoder uses (vision / audio towers, tied ``lm_head`` copies and unused KV-shared k/v
+  tensors are not copied), under their original names.
+- Which weights become MXFP4 is decided by the model itself: the converter builds the model
+  abstractly with the same ``quantize`` and quantizes exactly the linears that hold an MXFP4
+  weight (kernel-compatible shapes; the MoE router stays dense), so loading the result with
+  ``quantize="w4a8"`` gives bit-identical weights to quantizing on load. Names: mxfp4_names.py.
+- Writes ``dst/model.safetensors``, or shards of about ``shard_bytes`` (default 4 GiB) plus
+  ``model.safetensors.index.json``; at most one shard's tensors are held in memory.
+- Copies config.json (adding ``"jax_mila_quantization": {"format": "mxfp4", "version": 1}``)
+  and the tokenizer / generation files that exist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+
+import jax.numpy as jnp
+from flax import nnx
+from safetensors.flax import save_file
+
+from jax_mila import nn
+from jax_mila.gemma4 import loader, mxfp4_names
+from jax_mila.gemma4.config import Gemma4Config
+from jax_mila.gemma4.loader import CheckpointError
+from jax_mila.gemma4.model import Gemma4ForCausalLM
+from jax_mila.quant.mxfp4 import quantize_mxfp4
+
+SHARD_BYTES = 4 << 30
+EXTRA_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+               "special_tokens_map.json", "generation_config.json", "chat_template.jinja",
+               "chat_template.json", "processor_config.json")
+
+
+def _plan(model, prefix: str):
+    """[(HF tensor name, expected HF shape, quantize?)] for every weight the model loads."""
+    entries = []
+    for module_path, linear in loader.quantized_linears(model):
+        name = loader.linear_weight_name(module_path, prefix)
+        entries.append((name, (linear.out_features, linear.in_features), True))
+    for param_path, var in loader.dense_params(model):
+        name, perm = loader._checkpoint_name(param_path, prefix)
+        shape = tuple(var.get_value().shape)
+        entries.append((name, shape if perm is None else tuple(shape[i] for i in perm), False))
+    return sorted(entries)
+
+
+class _ShardWriter:
+    """Collects tensors and writes a shard whenever ~shard_bytes are pending."""
+
+    def __init__(self, dst: str, shard_bytes: int):
+        self.dst, self.shard_bytes = dst, shard_bytes
+        self.pending, self.pending_bytes, self.shards = {}, 0, []  # shards: [(tmp file, names)]
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor) -> None:
+        if self.pending and self.pending_bytes + tensor.nbytes > self.shard_bytes:
+            self.flush()
+        self.pending[name] = tensor
+        self.pending_bytes += tensor.nbytes
+        self.total_bytes += tensor.nbytes
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        tmp = os.path.join(self.dst, f".jax_mila_shard_{len(self.shards):05d}.safetensors")
+        save_file(self.pending, tmp, metadata={"format": "pt"})
+        self.shards.append((tmp, sorted(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        """Renames the shards to their final names (and writes the index if several)."""
+        self.flush()
+        if len(self.shards) == 1:
+            final = os.path.join(self.dst, loader.SINGLE_FILE)
+            os.replace(self.shards[0][0], final)
+            return [final]
+        n, weight_map, files = len(self.shards), {}, []
+        for i, (tmp, names) in enumerate(self.shards):
+            file = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(tmp, os.path.join(self.dst, file))
+            weight_map.update({name: file for name in names})
+            files.append(os.path.join(self.dst, file))
+        with open(os.path.join(self.dst, loader.INDEX_FILE), "w") as f:
+            json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
+        return files
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quantize="w4a8",
+            shard_bytes: int = SHARD_BYTES, progress: bool = True) -> dict:
+    """Writes the text decoder of checkpoint ``src`` to ``dst`` with ``quantize``'s weight
+    format (None: dense, as stored). Returns a summary dict (tensor counts and bytes).
+    Raises CheckpointError (a ValueError) for bad paths or checkpoints."""
+    nn.check_quantize(quantize)
+    src, dst = os.fspath(src), os.fspath(dst)
+    if not os.path.isfile(os.path.join(src, "config.json")):
+        raise CheckpointError(f"{src}: not a checkpoint directory (no config.json)")
+    if os.path.realpath(src) == os.path.realpath(dst):
+        raise CheckpointError(f"--out {dst} is the source checkpoint; choose another directory")
+    for existing in (loader.SINGLE_FILE, loader.INDEX_FILE):
+        if os.path.exists(os.path.join(dst, existing)):
+            raise CheckpointError(f"{dst} already holds {existing}; refusing to overwrite it")
+    try:
+        stored = mxfp4_names.checkpoint_format(src)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    if stored is not None:
+        raise CheckpointError(f"{src} is already converted ({mxfp4_names.CONFIG_KEY}={stored})")
+    cfg = Gemma4Config.from_pretrained(src)
+    files = loader._tensor_files(src)
+    prefix = loader.find_prefix(src, files)
+    model = nnx.eval_shape(lambda: Gemma4ForCausalLM(cfg, dtype=jnp.bfloat16, quantize=quantize,
+                                                     rngs=nnx.Rngs(0)))
+    plan = _plan(model, prefix)
+    del model
+
+    os.makedirs(dst, exist_ok=True)
+    writer = _ShardWriter(dst, shard_bytes)
+    summary = {"tensors": 0, "quantized": 0, "dense_bytes_of_quantized": 0, "mxfp4_bytes": 0}
+    bar = _progress(len(plan), progress)
+    try:
+        with contextlib.ExitStack() as stack:
+            reader = loader._Reader(src, files, stack)
+            for name, shape, quantized in plan:
+                bar.set_postfix_str(name[len(prefix):] if name.startswith(prefix) else name, refresh=False)
+                if quantized:
+                    dense = reader.read(name, shape)
+                    summary["dense_bytes_of_quantized"] += dense.nbytes
+                    try:  # the same call as the loader's quantize-on-load: identical bits
+                        w = quantize_mxfp4(dense, name=name)
+                    except ValueError as e:  # NaN / inf
+                        raise CheckpointError(f"{src}: {e}") from None
+                    del dense
+                    for field, tname in mxfp4_names.tensor_names(name).items():
+                        t = getattr(w, field)
+                        writer.add(tname, t)
+                        summary["mxfp4_bytes"] += t.nbytes
+                    summary["quantized"] += 1
+                else:
+                    writer.add(name, reader.read(name, shape))
+                summary["tensors"] += 1
+                bar.update(1)
+        out_files = writer.finish()
+    except BaseException:
+        for tmp, _ in writer.shards:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        raise
+    finally:
+        bar.close()
+
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    if quantize == "w4a8":
+        config[mxfp4_names.CONFIG_KEY] = dict(mxfp4_names.FORMAT)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    for extra in EXTRA_FILES:
+        if os.path.isfile(os.path.join(src, extra)):
+            shutil.copy(os.path.join(src, extra), os.path.join(dst, extra))
+    summary["files"] = out_files
+    summary["bytes_written"] = int(sum(os.path.getsize(f) for f in out_files))
+    return summary
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="tensor", desc="convert", disable=not enabled)

@@ -1,0 +1,54 @@
+"""How MXFP4 (W4A8) weights are stored in a safetensors checkpoint -- the one place that
+defines it (the loader reads it, ``python -m jax_mila convert`` writes it).
+
+A linear weight ``<name>.weight`` (PyTorch [out, in], bf16) becomes three uint8 tensors
+
+    <name>.weight_mxfp4_packed       [out, in / 2]   e2m1 codes, kernel order
+    <name>.weight_mxfp4_scales       [out, in / 32]  e8m0 block exponents
+    <name>.weight_mxfp4_channel_exp  [out]           per-channel reference exponent
+
+i.e. the fields of jax_mila.quant.MXFP4Weight with N = out, K = in (the layout is documented
+in jax_mila/quant/mxfp4.py; [out, in] is already MXFP4's [N, K], so nothing is transposed).
+Every other tensor keeps its name, shape and dtype. config.json gains a top-level
+
+    "jax_mila_quantization": {"format": "mxfp4", "version": 1}
+
+so a loader can tell before reading any tensor that the checkpoint is quantized.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+FIELDS = ("packed", "scales", "channel_exp")  # MXFP4Weight's fields
+SUFFIX = ".weight"
+CONFIG_KEY = "jax_mila_quantization"
+FORMAT = {"format": "mxfp4", "version": 1}
+
+
+def tensor_names(weight_name: str) -> dict[str, str]:
+    """``model.layers.0.mlp.up_proj.weight`` -> {field: checkpoint tensor name}."""
+    if not weight_name.endswith(SUFFIX):
+        raise ValueError(f"{weight_name!r} is not a '*{SUFFIX}' tensor name")
+    return {f: f"{weight_name}_mxfp4_{f}" for f in FIELDS}
+
+
+def expected_shapes(out_features: int, in_features: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of the three tensors of an [out, in] weight."""
+    return {"packed": (out_features, in_features // 2),
+            "scales": (out_features, in_features // 32),
+            "channel_exp": (out_features,)}
+
+
+def checkpoint_format(path: str | os.PathLike) -> dict | None:
+    """The ``jax_mila_quantization`` entry of a checkpoint's config.json (None if dense)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path) as f:
+        entry = json.load(f).get(CONFIG_KEY)
+    if entry is not None and entry != FORMAT:
+        raise ValueError(f"{path}: {CONFIG_KEY}={entry!r} is not a format this version reads "
+                         f"(supported: {FORMAT})")
+    return entry

@@ -1,0 +1,148 @@
+"""nn.Linear(quantize="w4a8"): MXFP4 weights x FP8 activations, on CPU (the reference path).
+
+- accuracy against the dense layer on Gaussian weights and activations (the expected error of
+  the format, not of an implementation: MXFP4's e2m1 has one mantissa bit, ~12% relative
+  Frobenius error on Gaussian weights (jax_mila/ffi/w4a8.py), FP8 e4m3 activations add ~2-3%;
+  measured 0.115-0.125 over seeds at K=256, N=128, M=21). Bound 0.15; and > 0.05, so a layer
+  that silently stayed dense fails too;
+- bit-exact agreement with the composition quantize_activations -> dequantize_mxfp4 ->
+  float32 product (both backends; the GPU kernel sums in another order, so there it is 1e-5);
+- shapes the kernel cannot take stay dense with one log line; jit; the MXFP4 arrays are not
+  nnx.Param (optimizers never see them); constructing from a dense kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+from flax import nnx
+
+from jax_mila import nn, quant, reference, testing
+from jax_mila.nn import linear as linear_mod
+from jax_mila.nn.linear import MXFP4Param
+
+K, N = 256, 128
+LEAD = (3, 7)  # M = 21 rows, not a tile multiple
+
+
+def _key():
+    return jax.random.key(int.from_bytes(os.urandom(4), "little"))
+
+
+def _composition(x, w: quant.MXFP4Weight, dtype):
+    """The W4A8 product built from the parts: FP8 rows x dequantized MXFP4, float32."""
+    rows = x.astype(jnp.bfloat16).reshape(-1, x.shape[-1])
+    q, s = reference.quantize_activations(rows)
+    wf = quant.dequantize_mxfp4(w, jnp.float32, kernel_semantics=True)
+    acc = jnp.einsum("mk,nk->mn", q.astype(jnp.float32), wf, precision=jax.lax.Precision.HIGHEST,
+                     preferred_element_type=jnp.float32) * s[:, None]
+    out = dtype if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else jnp.float32
+    return acc.astype(out).reshape(*x.shape[:-1], w.shape[0]).astype(dtype)
+
+
+class QuantizedLinearTest(parameterized.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        linear_mod._logged_fallbacks.clear()
+        k1, k2 = jax.random.split(_key())
+        self.kernel = jax.random.normal(k1, (K, N), jnp.float32) * K**-0.5   # [in, out]
+        self.x = jax.random.normal(k2, LEAD + (K,), jnp.float32)
+
+    @parameterized.product(dtype=[jnp.float32, jnp.bfloat16], backend=["auto", "reference"])
+    def test_error_vs_dense_is_the_formats(self, dtype, backend):
+        q = nn.Linear.quantize_from(self.kernel, backend=backend, dtype=dtype)
+        self.assertEqual(q.quantize, "w4a8")
+        dense = nn.Linear(K, N, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+        dense.kernel.set_value(self.kernel.astype(jnp.bfloat16))
+        got = q(self.x.astype(dtype))
+        self.assertEqual(got.dtype, dtype)
+        self.assertEqual(got.shape, LEAD + (N,))
+        err = testing.rel_fro_err(got, dense(self.x))
+        print(f"w4a8 vs dense bf16 ({jnp.dtype(dtype).name}, {backend}): rel Frobenius {err:.4f}")
+        self.assertLess(err, 0.15)
+        self.assertGreater(err, 0.05)
+
+    @parameterized.product(dtype=[jnp.float32, jnp.bfloat16], backend=["auto", "reference"])
+    def test_equals_the_reference_composition(self, dtype, backend):
+        q = nn.Linear.quantize_from(self.kernel, backend=backend, dtype=dtype)
+        x = self.x.astype(dtype)
+        want = _composition(x, q.mxfp4, dtype)
+        got = q(x)
+        if backend == "auto" and testing.has_cuda():  # the kernel: float32 summation order
+            self.assertLess(testing.rel_fro_err(got, want), 1e-5 if dtype == jnp.float32 else 4e-3)
+        else:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+    def test_stores_the_mxfp4_of_the_transposed_kernel(self):
+        q = nn.Linear.quantize_from(self.kernel)
+        want = quant.quantize_mxfp4(self.kernel.T)
+        for field in linear_mod.MXFP4_FIELDS:
+            var = getattr(q, field)
+            self.assertIsInstance(var, MXFP4Param)
+            self.assertNotIsInstance(var, nnx.Param)
+            np.testing.assert_array_equal(np.asarray(var[...]), np.asarray(getattr(want, field)))
+        self.assertEqual(q.packed.shape, (N, K // 2))
+        self.assertEqual(q.scales.shape, (N, K // 32))
+        self.assertEqual(q.channel_exp.shape, (N,))
+        self.assertFalse(hasattr(q, "kernel"))
+        self.assertEmpty(jax.tree.leaves(nnx.state(q, nnx.Param)))  # optimizers see nothing
+        self.assertLen(jax.tree.leaves(nnx.state(q, MXFP4Param)), 3)
+
+    def test_random_init_is_a_valid_quantized_weight(self):
+        q = nn.Linear(K, N, quantize="w4a8", rngs=nnx.Rngs(3))
+        self.assertTrue(quant.check_kernel_invariant(q.mxfp4))
+        self.assertEqual(q(self.x).shape, LEAD + (N,))
+
+    def test_rank1_input_and_jit(self):
+        q = nn.Linear.quantize_from(self.kernel, dtype=jnp.float32)
+        got = nnx.jit(lambda m, x: m(x))(q, self.x[0, 0])
+        self.assertEqual(got.shape, (N,))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(q(self.x[0, 0])))
+        jitted = jax.jit(lambda x: q(x))(self.x)
+        np.testing.assert_array_equal(np.asarray(jitted), np.asarray(q(self.x)))
+
+    @parameterized.named_parameters(
+        ("in_not_128", 200, 64, "in_features=200 is not a multiple of 128"),
+        ("out_not_8", 256, 100, "out_features=100 is not a multiple of 8"),
+        ("gemma4_26b_dense_mlp", 2112, 2816, "in_features=2112 is not a multiple of 128"),
+    )
+    def test_unsupported_shape_stays_dense_and_says_why(self, fin, fout, why):
+        with self.assertLogs("jax_mila", "INFO") as logs:
+            layer = nnx.eval_shape(lambda: nn.Linear(fin, fout, quantize="w4a8", rngs=nnx.Rngs(0)))
+            nnx.eval_shape(lambda: nn.Linear(fin, fout, quantize="w4a8", rngs=nnx.Rngs(0)))
+        self.assertIsNone(layer.quantize)
+        self.assertEqual(layer.kernel.shape, (fin, fout))
+        self.assertLen(logs.output, 1)  # once per shape, not once per layer
+        self.assertIn(f"Linear {fin} -> {fout} stays dense", logs.output[0])
+        self.assertIn(why, logs.output[0])
+
+    def test_quantize_from_unsupported_shape_keeps_the_kernel(self):
+        kernel = self.kernel[:200, :64]
+        with self.assertLogs("jax_mila", "INFO"):
+            layer = nn.Linear.quantize_from(kernel)
+        self.assertIsNone(layer.quantize)
+        x = self.x[..., :200]
+        want = jnp.einsum("...i,io->...o", x, kernel, preferred_element_type=jnp.float32)
+        np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+    def test_quantize_from_refuses_nonfinite(self):
+        with self.assertRaisesRegex(ValueError, "NaN/inf"):
+            nn.Linear.quantize_from(self.kernel.at[3, 5].set(jnp.nan))
+
+    def test_set_mxfp4_checks_the_shape(self):
+        q = nn.Linear.quantize_from(self.kernel)
+        with self.assertRaisesRegex(ValueError, r"does not fit Linear 256 -> 128"):
+            q.set_mxfp4(quant.quantize_mxfp4(self.kernel))  # [128, 256]: not transposed
+
+    def test_unknown_mode_is_refused(self):
+        with self.assertRaisesRegex(ValueError, r"quantize='w8a8' is not supported \(supported: \(None, 'w4a8'\)"):
+            nn.Linear(K, N, quantize="w8a8")
+
+
+if __name__ == "__main__":
+    absltest.main()
