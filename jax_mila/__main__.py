@@ -2,7 +2,8 @@
 
     python -m jax_mila generate [--model PATH] [--prompt TEXT | --prompt-ids 2,17,5 | --length N]
                                 [--new-tokens 32] [--dtype bfloat16] [--backend auto]
-    python -m jax_mila prefill  [same prompt options]
+                                [--chunk-size N]
+    python -m jax_mila prefill  [same options]
     python -m jax_mila selftest
     python -m jax_mila convert --model SRC --out DST [--quantize w4a8|none]
 
@@ -10,6 +11,11 @@ prefill / generate take ``--quantize w4a8`` (MXFP4 weights x FP8 activations; a 
 written by ``convert`` is loaded in that format automatically). ``convert`` writes SRC's text
 decoder to DST with MXFP4 linear weights (see jax_mila/gemma4/convert.py); the other towers
 are not copied.
+
+--chunk-size N runs the prompt in chunks of N tokens (one compiled step, cache donated, a
+progress bar over the chunks); by default a prompt longer than a chunk sized from the free
+device memory (2048 tokens where the device reports none) is chunked, a shorter one runs in
+one call.
 
 Without --model the small embedded checkpoint (random weights) is used, so the commands run
 anywhere, CPU included; they print the tokens and the prefill / decode throughput.
@@ -85,10 +91,12 @@ def _run(args) -> None:
     print(f"prompt: {length} tokens" + (f": {ids[0].tolist()}" if length <= 32 else ""))
 
     cap = length + new
-    (logits, cache), t_first = _timed(gemma4.prefill, model, ids, max_cache_len=cap)
-    (logits, cache), t_prefill = _timed(gemma4.prefill, model, ids, max_cache_len=cap)
+    chunking = dict(chunk_size=args.chunk_size, max_cache_len=cap)
+    (logits, cache), t_first = _timed(gemma4.prefill, model, ids, progress=True, **chunking)
+    (logits, cache), t_prefill = _timed(gemma4.prefill, model, ids, progress=True, **chunking)
+    chunks = f", chunks of {args.chunk_size}" if args.chunk_size else ""
     print(f"prefill: {length} tokens in {t_prefill * 1e3:.1f} ms = {batch * length / t_prefill:,.0f} "
-          f"tokens/s (first call incl. compile {t_first:.2f} s)")
+          f"tokens/s (first call incl. compile {t_first:.2f} s{chunks})")
     if new == 0:
         print(f"next token: {int(jnp.argmax(logits[0]))}")
         return
@@ -96,7 +104,7 @@ def _run(args) -> None:
     steps = new - 1
     if steps:
         _, t_compile = _timed(gemma4.decode, model, first, cache, steps)   # compile + run
-        logits, cache = gemma4.prefill(model, ids, max_cache_len=cap)        # fresh cache (donated)
+        logits, cache = gemma4.prefill(model, ids, **chunking)               # fresh cache (donated)
         (rest, _), t_decode = _timed(gemma4.decode, model, first, cache, steps)
         tokens = jnp.concatenate([first[:, None], rest], axis=1)
         print(f"decode: {steps} steps in {t_decode * 1e3:.1f} ms = {batch * steps / t_decode:,.1f} "
@@ -160,6 +168,8 @@ def main(argv=None) -> None:
         p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
         p.add_argument("--backend", default="auto", choices=("auto", "mila", "reference"))
         p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompt")
+        p.add_argument("--chunk-size", type=int, default=None,
+                       help="prefill in chunks of N tokens (default: sized from free device memory)")
         p.add_argument("--quantize", choices=("none", "w4a8"), default=None,
                        help="weight format (default: dense, or as stored in a converted checkpoint)")
     sub.add_parser("selftest", help="run each op once against its reference (jax_mila.selftest)")
@@ -183,6 +193,8 @@ def main(argv=None) -> None:
         parser.error("--new-tokens must be >= 1")
     if args.length is not None and args.length < 1:
         parser.error("--length must be >= 1")
+    if args.chunk_size is not None and args.chunk_size < 1:
+        parser.error("--chunk-size must be >= 1")
     _run(args)
 
 

@@ -45,11 +45,12 @@ class Gemma4Attention(nnx.Module):
         self.attn = nn.Attention(scale=1.0, backend=backend)
 
     def __call__(self, x, cos, sin, *, offset, mode: str, entry=None, shared: KVView | None = None,
-                 max_len: int = 0):
+                 max_len: int = 0, valid=None):
         """x [B, T, H] at positions offset + arange(T).
 
-        mode "full" (no cache), "prefill" (offset 0; builds this layer's cache entry) or
-        "decode" (T == 1; appends to ``entry``). Returns (out, kv_view, new_entry)."""
+        mode "full" (no cache), "prefill" (offset 0; builds this layer's cache entry),
+        "decode" (T == 1; appends to ``entry``) or "chunk" (a prefill chunk whose first ``valid``
+        tokens are real; appends them to ``entry``). Returns (out, kv_view, new_entry)."""
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         q = apply_rope(self.q_norm(q), cos, sin)
@@ -67,6 +68,10 @@ class Gemma4Attention(nnx.Module):
                 new_entry = kv.prefill_entry(k, v, ring=ring, max_len=max_len)
             elif mode == "decode":
                 k_buf, v_buf, k, v, kv_offset = kv.decode_update(*entry, k, v, offset, ring=ring is not None)
+                new_entry = (k_buf, v_buf)
+            elif mode == "chunk":
+                k_buf, v_buf, k, v, kv_offset = kv.chunk_update(*entry, k, v, offset, valid,
+                                                                ring=ring is not None)
                 new_entry = (k_buf, v_buf)
         o = self.attn(q, k, v, window=self.window, q_offset=offset, kv_offset=kv_offset)
         return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim)), (k, v, kv_offset), new_entry

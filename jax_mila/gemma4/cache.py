@@ -14,6 +14,9 @@ Attention reads a cache through the position-offset contract of jax_mila.ffi.fla
   slot comes first, holding positions p-R+1 .. p (kv_offset p-R+1), all inside the window
   since R <= window. Before that, slot j holds position j (kv_offset 0) and the empty slots
   j > p are hidden by causality, exactly as in a full layer.
+
+Chunked prefill (``chunk_update``) processes T > 1 tokens at positions p .. p+T-1 per step; see
+there for the slab a ring layer attends over.
 """
 
 from __future__ import annotations
@@ -41,6 +44,19 @@ class KVCache:
 
 def ring_size(window: int, max_len: int) -> int:
     return min(window, max_len)
+
+
+def empty(cfg, batch: int, max_len: int, dtype) -> KVCache:
+    """A zero cache of capacity ``max_len`` at length 0 (the start of a chunked prefill)."""
+    keys, values = [], []
+    for spec in cfg.layers:
+        if spec.is_kv_shared:
+            keys.append(None), values.append(None)
+            continue
+        slots = ring_size(cfg.sliding_window, max_len) if spec.is_sliding else max_len
+        shape = (batch, slots, spec.num_kv_heads, spec.head_dim)
+        keys.append(jnp.zeros(shape, dtype)), values.append(jnp.zeros(shape, dtype))
+    return KVCache(keys=tuple(keys), values=tuple(values), length=jnp.int32(0), max_len=max_len)
 
 
 def prefill_entry(k: jax.Array, v: jax.Array, *, ring: int | None, max_len: int):
@@ -75,3 +91,45 @@ def decode_update(k_buf, v_buf, k, v, pos, *, ring: bool):
     kv_offset = jnp.maximum(pos - size + 1, 0).astype(jnp.int32)
     return (k_buf, v_buf, jnp.roll(k_buf, -shift, axis=1), jnp.roll(v_buf, -shift, axis=1),
             kv_offset)
+
+
+def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool):
+    """One prefill chunk: k, v [B, T, H, D] at positions pos .. pos+T-1 (pos traced), of which
+    the first ``valid`` (traced) are real tokens and the rest padding of the last chunk.
+    Returns (k_buf, v_buf, k_view, v_view, kv_offset) like ``decode_update``.
+
+    Padding is never written (its scatter indices are out of range, mode="drop"), so the cache
+    after the chunk holds exactly what a one-shot prefill of the real tokens would.
+
+    Full layers: the chunk goes to slots pos .. pos+valid-1 and attention reads the whole buffer
+    (kv_offset 0); unwritten slots and the chunk's padding lie after every real query.
+
+    Rings of R slots: the chunk needs positions pos-W+1 .. pos+T-1 and the ring holds the last
+    n = min(pos, R) positions before the chunk (R = W, or R = capacity < W and then the ring
+    holds every earlier position). The view is a slab of static length R + T: the ring rolled
+    into position order (pos-R .. pos-1, of which the first R - n were never written), then the
+    chunk; rolled left by R - n it reads [n ring keys][T chunk keys][R - n unwritten], positions
+    pos-n .. with kv_offset pos-n, so the unwritten slots sit after every query where causality
+    hides them (at their true negative positions they would be inside the window). Traced roll
+    shifts keep one compiled step for all chunks. The ring is built from the OLD buffer first;
+    then the chunk's last min(valid, R) real keys go to their slots (p % R)."""
+    t, size = k.shape[1], k_buf.shape[1]
+    k, v = k.astype(k_buf.dtype), v.astype(v_buf.dtype)
+    i = jnp.arange(t, dtype=jnp.int32)
+    if not ring:
+        slots = jnp.where(i < valid, pos + i, size)  # size: out of range, dropped
+        k_buf = k_buf.at[:, slots].set(k, mode="drop")
+        v_buf = v_buf.at[:, slots].set(v, mode="drop")
+        return k_buf, v_buf, k_buf, v_buf, jnp.int32(0)
+    n = jnp.minimum(pos, size)
+
+    def slab(buf, x):
+        ordered = jnp.roll(buf, -(pos % size), axis=1)  # positions pos-R .. pos-1
+        return jnp.roll(jnp.concatenate([ordered, x], axis=1), -(size - n), axis=1)
+
+    k_view, v_view = slab(k_buf, k), slab(v_buf, v)
+    keep = (i < valid) & (i >= valid - size)  # the last R real tokens: distinct slots
+    slots = jnp.where(keep, (pos + i) % size, size)
+    k_buf = k_buf.at[:, slots].set(k, mode="drop")
+    v_buf = v_buf.at[:, slots].set(v, mode="drop")
+    return k_buf, v_buf, k_view, v_view, (pos - n).astype(jnp.int32)

@@ -29,7 +29,7 @@ from jax_mila.gemma4.mlp import Gemma4MLP, gelu_tanh
 from jax_mila.gemma4.moe import Gemma4Experts, Gemma4Router
 from jax_mila.gemma4.rope import rope_tables
 
-MODES = ("full", "prefill", "decode")
+MODES = ("full", "prefill", "decode", "chunk")
 
 
 def _scale(x: jax.Array, factor: float) -> jax.Array:
@@ -136,18 +136,22 @@ class Gemma4ForCausalLM(nnx.Module):
         return logits
 
     def hidden_states(self, input_ids, *, mode: str = "full", cache: KVCache | None = None,
-                      max_len: int = 0):
+                      max_len: int = 0, valid=None):
         """Runs the decoder stack. Returns (hidden [B, T, H] before the final norm, new cache).
 
         mode "full": no cache. "prefill": positions from 0, returns a new KVCache with capacity
-        ``max_len``. "decode": one token per sequence at position ``cache.length``."""
+        ``max_len``. "decode": one token per sequence at position ``cache.length``. "chunk": a
+        prefill chunk at positions cache.length + arange(T) whose first ``valid`` (traced)
+        tokens are real; the returned cache's length grows by ``valid``."""
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} (supported: {MODES})")
         cfg = self.config
         input_ids = jnp.asarray(input_ids, jnp.int32)
         t = input_ids.shape[1]
-        offset = cache.length if mode == "decode" else jnp.int32(0)
-        max_len = cache.max_len if mode == "decode" else max_len
+        cached = mode in ("decode", "chunk")
+        offset = cache.length if cached else jnp.int32(0)
+        max_len = cache.max_len if cached else max_len
+        valid = t if valid is None else valid
         positions = offset + jnp.arange(t, dtype=jnp.int32)
         h = self.embed_tokens(input_ids)
         ple = self.per_layer_inputs(input_ids, h) if cfg.has_ple else None
@@ -156,10 +160,10 @@ class Gemma4ForCausalLM(nnx.Module):
         shared, keys, values = {}, [], []
         for i, layer in enumerate(self.layers):
             spec = layer.spec
-            entry = (cache.keys[i], cache.values[i]) if mode == "decode" and not spec.is_kv_shared else None
+            entry = (cache.keys[i], cache.values[i]) if cached and not spec.is_kv_shared else None
             h, kv_view, new_entry = layer(
                 h, ple[:, :, i] if ple is not None else None, *tables[spec.layer_type],
-                offset=offset, mode=mode, entry=entry, max_len=max_len,
+                offset=offset, mode=mode, entry=entry, max_len=max_len, valid=valid,
                 shared=shared.get(spec.layer_type) if spec.is_kv_shared else None)
             if i in sources:
                 shared[spec.layer_type] = kv_view
@@ -167,7 +171,8 @@ class Gemma4ForCausalLM(nnx.Module):
             values.append(new_entry[1] if new_entry is not None else None)
         if mode == "full":
             return h, None
-        return h, KVCache(keys=tuple(keys), values=tuple(values), length=offset + t, max_len=max_len)
+        return h, KVCache(keys=tuple(keys), values=tuple(values), length=offset + valid,
+                       max_len=max_len)
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         """Softcapped logits [B, S, vocab] (dtype of the model) for int32 ids [B, S]."""

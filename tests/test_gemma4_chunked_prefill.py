@@ -1,0 +1,206 @@
+"""Chunked prefill (prefill(chunk_size=...)) equals the one-shot prefill (no transformers).
+
+Random Gemma4ForCausalLM models built directly in JAX (float32, reference attention) with tiny
+windows so the local rings wrap inside and across chunks: the generate suite's config (window 3,
+KV sharing, K=V, PLE), an E2B-like one (window 4, KV sharing of both layer types, one KV head,
+double-wide MLP) and a MoE one (window 5). Chunk sizes straddle the window and the prompt
+(1, 3, W-1, W, W+1, S, > S), prompt lengths too (1, W-1, W, 2W+3, 5W). Also: greedy decoding
+continued from a chunked cache, one compile for every chunk and prompt length, the progress
+bar, the default chunk size, and a cache capacity below the window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import re
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from jax_mila import gemma4
+from jax_mila.__main__ import main
+from test_gemma4_generate import S, F, tiny_model
+
+gen = importlib.import_module("jax_mila.gemma4.generate")  # the module (gemma4.generate is the function)
+
+CONFIGS = {
+    "generate_suite_w3": dict(),
+    "e2b_like_w4": dict(sliding_window=4, num_hidden_layers=8, num_key_value_heads=1,
+                        layer_types=[S, S, S, F, S, S, S, F], num_kv_shared_layers=3,
+                        attention_k_eq_v=False, num_global_key_value_heads=None),
+    "moe_w5": dict(sliding_window=5, num_hidden_layers=4, layer_types=[S, S, F, F],
+                   num_kv_shared_layers=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                   moe_intermediate_size=16, hidden_size_per_layer_input=0),
+}
+NEW_TOKENS = 6
+
+
+def prompt(seed, length, batch=2):
+    # Fresh ids per test run; the two rows differ.
+    seed = int(np.random.SeedSequence().entropy % 2**31) + seed
+    return jax.random.randint(jax.random.key(seed), (batch, length), 3, 61, jnp.int32)
+
+
+def assert_close_logits(actual, expected):
+    """Within 1e-5 of the largest logit magnitude (up to ~20 here): chunks change the shapes
+    of the float32 matmuls and the order of the attention sums, which moves the random tiny
+    models' logits by a few 1e-6 x scale (max observed ~3e-5 on logits of magnitude 20);
+    a wrongly visible or missing key moves them by O(0.1)."""
+    expected = np.asarray(expected)
+    scale = max(1.0, float(np.max(np.abs(expected))))
+    np.testing.assert_allclose(np.asarray(actual), expected, atol=1e-5 * scale, rtol=0)
+
+
+def assert_same_cache(test, a, b):
+    test.assertEqual(int(a.length), int(b.length))
+    test.assertEqual(a.max_len, b.max_len)
+    for x, y in zip(a.keys + a.values, b.keys + b.values):
+        test.assertEqual(x is None, y is None)
+        if x is not None:
+            test.assertEqual((x.shape, x.dtype), (y.shape, y.dtype))
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5, rtol=1e-5)
+
+
+class ChunkedPrefillTest(parameterized.TestCase):
+
+    @parameterized.named_parameters(*CONFIGS.items())
+    def test_chunked_equals_one_shot(self, overrides):
+        model = tiny_model(seed=len(overrides), **overrides)
+        w = model.config.sliding_window
+        lengths = (1, w - 1, w, 2 * w + 3, 5 * w)
+        cap = 5 * w + NEW_TOKENS  # one capacity for all prompts: one compile per chunk size
+        for length in lengths:
+            ids = prompt(length, length)
+            ref_logits, ref_cache = gemma4.prefill(model, ids, max_cache_len=cap)
+            for size in (1, 3, w - 1, w, w + 1, length, 5 * w + 1):
+                with self.subTest(length=length, chunk_size=size):
+                    logits, cache = gemma4.prefill(model, ids, chunk_size=size, max_cache_len=cap)
+                    assert_close_logits(logits, ref_logits)
+                    assert_same_cache(self, cache, ref_cache)
+
+    @parameterized.named_parameters(*CONFIGS.items())
+    def test_generate_continues_from_chunked_cache(self, overrides):
+        model = tiny_model(seed=1 + len(overrides), **overrides)
+        w = model.config.sliding_window
+        for length, size in ((2 * w + 3, w - 1), (5 * w, w + 1), (5 * w, 3)):
+            with self.subTest(length=length, chunk_size=size):
+                ids = prompt(length, length)
+                cap = length + NEW_TOKENS
+                expected = gemma4.generate(model, ids, NEW_TOKENS)
+                logits, cache = gemma4.prefill(model, ids, chunk_size=size, max_cache_len=cap)
+                new = gemma4.generate(model, ids, NEW_TOKENS, cache=cache, logits=logits)
+                np.testing.assert_array_equal(np.asarray(new), np.asarray(expected))
+                # generate's own prefill takes chunk_size too.
+                new = gemma4.generate(model, ids, NEW_TOKENS, chunk_size=size)
+                np.testing.assert_array_equal(np.asarray(new), np.asarray(expected))
+
+    def test_capacity_below_window(self):
+        """Ring of capacity (< window) slots: the ring holds every earlier position."""
+        model = tiny_model(sliding_window=16)
+        ids = prompt(0, 10)
+        ref_logits, ref_cache = gemma4.prefill(model, ids, max_cache_len=13)
+        expected = gemma4.generate(model, ids, 3, cache=ref_cache, logits=ref_logits)
+        for size in (3, 4, 10):
+            logits, cache = gemma4.prefill(model, ids, chunk_size=size, max_cache_len=13)
+            self.assertEqual(cache.keys[0].shape[1], 13)
+            assert_close_logits(logits, ref_logits)
+            new = gemma4.generate(model, ids, 3, cache=cache, logits=logits)
+            np.testing.assert_array_equal(np.asarray(new), np.asarray(expected))
+
+    def test_one_compile_for_all_chunks(self):
+        model = tiny_model()
+        before = gen._prefill_chunk._cache_size()
+        ids = prompt(0, 33)  # 5 chunks of 7, the last one padded (5 real tokens)
+        ref, _ = gemma4.prefill(model, ids, max_cache_len=40)
+        logits, cache = gemma4.prefill(model, ids, chunk_size=7, max_cache_len=40)
+        self.assertEqual(int(cache.length), 33)
+        assert_close_logits(logits, ref)
+        # Another prompt length (3 chunks, last with 1 real token) reuses the same step.
+        gemma4.prefill(model, ids[:, :15], chunk_size=7, max_cache_len=40)
+        self.assertEqual(gen._prefill_chunk._cache_size() - before, 1)
+
+    def test_progress_bar(self):
+        model = tiny_model()
+        ids = prompt(0, 10)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            logits, cache = gemma4.prefill(model, ids, chunk_size=4, progress=True)
+        self.assertIn("3/3", err.getvalue())
+        self.assertIn("chunk", err.getvalue())
+        self.assertEqual(int(cache.length), 10)
+
+    def test_default_chunk_size(self):
+        model = tiny_model()
+        cpu = mock.Mock(memory_stats=mock.Mock(return_value=None))
+        with mock.patch.object(jax, "devices", return_value=[cpu]):
+            self.assertEqual(gen.default_chunk_size(model, 1, 100), gen.DEFAULT_CHUNK)
+        # 64 MiB free less a ~1 KiB cache; the widest activation is the global layers' query
+        # heads (4 x 32 float32 values): a quarter of it over 16 * 128 * 4 bytes per token is
+        # 2047 tokens, rounded down to a power of two.
+        gpu = mock.Mock(memory_stats=mock.Mock(return_value=dict(bytes_limit=2**26, bytes_in_use=0)))
+        with mock.patch.object(jax, "devices", return_value=[gpu]):
+            self.assertEqual(gen.default_chunk_size(model, 1, 1), 1024)
+            self.assertEqual(gen.default_chunk_size(model, 64, 1), gen.MIN_CHUNK)
+        # chunk_size=None chunks a prompt longer than the default chunk.
+        ids = prompt(0, 9)
+        ref, _ = gemma4.prefill(model, ids)
+        before = gen._prefill_chunk._cache_size()
+        with mock.patch.object(gen, "DEFAULT_CHUNK", 4):
+            logits, cache = gemma4.prefill(model, ids)
+        self.assertEqual(gen._prefill_chunk._cache_size() - before, 1)
+        assert_close_logits(logits, ref)
+
+    def test_bf16_kernel_head_dims_through_ffi(self):
+        """Head dims 256/512 in bf16 take jax_mila.ffi.flash_attention (its reference on CPU;
+        the kernels on GPU) with the slab / full-buffer views and traced offsets."""
+        model = tiny_model(dtype=jnp.bfloat16, backend="auto", head_dim=256, global_head_dim=512,
+                           hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                           hidden_size_per_layer_input=0)
+        ids = prompt(0, 11, batch=1)
+        ref, ref_cache = gemma4.prefill(model, ids, max_cache_len=14)
+        logits, cache = gemma4.prefill(model, ids, chunk_size=4, max_cache_len=14)
+        self.assertEqual(logits.dtype, jnp.bfloat16)
+        for x, y in zip(cache.keys, ref_cache.keys):
+            self.assertEqual(x is None, y is None)
+            if x is not None:
+                self.assertEqual((x.shape, x.dtype), (y.shape, y.dtype))
+        # bf16 rounding of differently shaped chunks: a few bf16 ulps of the logit scale.
+        ref = np.asarray(ref, np.float32)
+        scale = float(np.max(np.abs(ref)))
+        np.testing.assert_allclose(np.asarray(logits, np.float32), ref, atol=0.05 * scale, rtol=0)
+
+    def test_bad_chunk_size(self):
+        with self.assertRaisesRegex(ValueError, "chunk_size must be >= 1"):
+            gemma4.prefill(tiny_model(), jnp.ones((1, 4), jnp.int32), chunk_size=0)
+
+
+class ChunkedCliTest(absltest.TestCase):
+    """`python -m jax_mila prefill|generate --chunk-size N` on the embedded checkpoint."""
+
+    def run_cli(self, *argv):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main(list(argv))
+        return out.getvalue(), err.getvalue()
+
+    def test_generate_with_chunks_equals_one_shot(self):
+        common = ("generate", "--length", "20", "--new-tokens", "3", "--dtype", "float32")
+        text, bar = self.run_cli(*common, "--chunk-size", "8")
+        self.assertRegex(text, r"prefill: 20 tokens in .* tokens/s .*chunks of 8")
+        self.assertIn("3/3", bar)  # the progress bar over the 3 chunks
+        one_shot, _ = self.run_cli(*common)
+        ids = lambda t: re.search(r"generated ids: (\[.*\])", t).group(1)
+        self.assertEqual(ids(text), ids(one_shot))
+
+    def test_bad_chunk_size_exits(self):
+        with self.assertRaises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+            main(["prefill", "--chunk-size", "0"])
+
+
+if __name__ == "__main__":
+    absltest.main()
