@@ -15,9 +15,9 @@ export JAX_MILA_CUDA_ARCHS=${JAX_MILA_CUDA_ARCHS:-80-real;89-real;90a}
 export JAX_MILA_KERNELS=${JAX_MILA_KERNELS:-quantize;flash256;flash512;w4a8}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 TESTS=${TESTS:-tests}
-SANITIZE=${SANITIZE:-memcheck initcheck racecheck}
+SANITIZE=${SANITIZE-memcheck initcheck racecheck}  # set but empty: none
 SANITIZE_TESTS=${SANITIZE_TESTS:-tests -k "small or one_row or Kernel and not large"}
-BENCHES=${BENCHES:-benchmarks/quantize.py;benchmarks/attention.py;benchmarks/gemm.py}
+BENCHES=${BENCHES-benchmarks/quantize.py;benchmarks/attention.py;benchmarks/gemm.py}
 status=0
 step() { echo "== $* ($(date +%T))"; }
 
