@@ -113,10 +113,13 @@ def main() -> None:
     parser.add_argument("--only", default=",".join(SHAPES))
     parser.add_argument("--kernels", default="auto,mma_sync")
     parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--anchors", default="xla_bf16,xla_fp8_scaled,torch_scaled_mm",
+                        help="baselines to time beside the kernels (comma-separated; '' for none)")
     args = parser.parse_args()
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind}; {ffi.status('w4a8_matmul')}", flush=True)
     kernels = [k for k in args.kernels.split(",") if k]
+    anchors = set(a for a in args.anchors.split(",") if a)
     names = [n for n in args.only.split(",") if n]
     header = (["GEMM", "N x K", "M"] + [f"jax_mila w4a8 ({k})" for k in kernels]
               + ["XLA bf16", "XLA FP8 + row/col scales", "torch._scaled_mm FP8 rowwise",
@@ -135,22 +138,36 @@ def main() -> None:
             flops = 2.0 * m * n * k
             rec = {"gemm": name, "N": n, "K": k, "M": m,
                    "weight_bits_per_value": 8 * wq.nbytes / (n * k)}
+
+            def measure(key, label, time_fn):
+                # Printed as it lands, so an anchor that hangs still leaves the numbers before it.
+                print(f"  {name} M={m} {label} ...", end="", file=sys.stderr, flush=True)
+                try:
+                    rec[key] = flops / time_fn() / 1e12
+                except Exception as e:  # noqa: BLE001 - an anchor failing must not stop the table
+                    rec[key] = None
+                    print(f" failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                    return
+                print(f" {rec[key]:.0f} TFLOP/s", file=sys.stderr, flush=True)
+
             for kern in kernels:
                 fn = jax.jit(lambda a, b, c, kern=kern: ffi.w4a8_matmul(a, b, c, kernel=kern))
-                rec[f"w4a8_{kern}"] = flops / _time_jax(fn, (xq, xs, wq), args.calls) / 1e12
-            rec["xla_bf16"] = flops / _time_jax(_xla_bf16, (x, wt16), args.calls) / 1e12
-            rec["xla_fp8_scaled"] = flops / _time_jax(_xla_fp8_scaled, (xq, xs, w8, ws),
-                                                      args.calls) / 1e12
-            rec["torch_scaled_mm"] = None
-            try:
-                tfn = _torch_scaled_mm(xq, xs, w8, ws)
-                if tfn is not None:
-                    rec["torch_scaled_mm"] = flops / _time_torch(tfn, args.calls) / 1e12
-            except Exception as e:  # noqa: BLE001 - an anchor failing must not stop the table
-                print(f"torch._scaled_mm failed: {type(e).__name__}: {e}", flush=True)
+                measure(f"w4a8_{kern}", f"w4a8 {kern}",
+                        lambda fn=fn: _time_jax(fn, (xq, xs, wq), args.calls))
+            rec.update(xla_bf16=None, xla_fp8_scaled=None, torch_scaled_mm=None)
+            if "xla_bf16" in anchors:
+                measure("xla_bf16", "XLA bf16",
+                        lambda: _time_jax(_xla_bf16, (x, wt16), args.calls))
+            if "xla_fp8_scaled" in anchors:
+                measure("xla_fp8_scaled", "XLA FP8 + scales",
+                        lambda: _time_jax(_xla_fp8_scaled, (xq, xs, w8, ws), args.calls))
+            tfn = _torch_scaled_mm(xq, xs, w8, ws) if "torch_scaled_mm" in anchors else None
+            if tfn is not None:
+                measure("torch_scaled_mm", "torch._scaled_mm", lambda: _time_torch(tfn, args.calls))
             records.append(rec)
-            fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
-            ratio = rec[f"w4a8_{kernels[0]}"] / rec["xla_fp8_scaled"] if kernels else None
+            fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731  (None: failed)
+            ratio = (rec[f"w4a8_{kernels[0]}"] / rec["xla_fp8_scaled"]
+                     if kernels and rec[f"w4a8_{kernels[0]}"] and rec["xla_fp8_scaled"] else None)
             row = ([name, f"{n} x {k}", m] + [fmt(rec[f"w4a8_{kk}"]) for kk in kernels]
                    + [fmt(rec["xla_bf16"]), fmt(rec["xla_fp8_scaled"]), fmt(rec["torch_scaled_mm"]),
                       "-" if ratio is None else f"{ratio:.2f}x",

@@ -3,14 +3,13 @@
 # nothing beyond what you ask for (no sanitizer, no benchmark unless named). Logs go to $OUT.
 #
 #   JAX_MILA_KERNELS=flash512 TESTS='tests/test_flash_attention.py -k d512' \
-#   SANITIZE="memcheck racecheck" SANITIZE_TESTS='tests/test_flash_attention.py -k "d512 and small"' \
+#   SANITIZE="memcheck racecheck" SANITIZE_OPS=d512 \
 #   BENCH="benchmarks/attention.py --only d512" bash scripts/gpu_dev.sh
 #
-# TESTS and SANITIZE_TESTS are pytest arguments quoted as in a shell; BENCH may hold several
+# TESTS are pytest arguments quoted as in a shell; SANITIZE_OPS picks from scripts/sanitize_kernels.py; BENCH may hold several
 # benchmark commands separated by ';'.
 set -uo pipefail
 export JAX_MILA_CUDA_ARCHS=${JAX_MILA_CUDA_ARCHS:-90a}
 export SANITIZE=${SANITIZE:-}
-export SANITIZE_TESTS=${SANITIZE_TESTS:-${TESTS:-tests}}
 export BENCHES=${BENCH:-}
 exec bash "$(dirname "$0")/gpu_round.sh"

@@ -1,0 +1,117 @@
+"""Small, odd-sized calls of every CUDA kernel, for compute-sanitizer (not a test suite).
+
+pytest under compute-sanitizer crashed the sanitizer itself on the H200 (rc 139, in several
+tools), and a kernel-name filter makes initcheck blame our kernels for inputs written by XLA
+kernels it did not instrument. This script keeps the process minimal: inputs are built on the
+host and copied to the device (initialized memory), each kernel runs under jit with its outputs
+poisoned, and the oracle runs on the CPU device, so the only GPU kernels are ours and XLA's
+poison fills. Every case checks its result, so a run is also a correctness check.
+
+    compute-sanitizer --tool initcheck python3 scripts/sanitize_kernels.py --ops quantize
+    compute-sanitizer --tool racecheck --kernel-name kns=mila python3 scripts/sanitize_kernels.py
+
+Exit status 0 when every case matched its oracle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_mila import ffi, quant, reference, testing
+
+CPU = jax.devices("cpu")[0]
+RNG = np.random.default_rng()
+
+
+def _on_cpu(fn, *args, **kwargs):
+    with jax.default_device(CPU):
+        return fn(*jax.device_put(args, CPU), **kwargs)
+
+
+def _bf16(shape, scale=1.0):
+    return jnp.asarray((RNG.standard_normal(shape) * scale).astype(np.float32)).astype(jnp.bfloat16)
+
+
+def check_quantize():
+    for shape in ((1, 16), (97, 2816), (3, 5, 48)):
+        x = _bf16(shape, 3.0).reshape(-1, shape[-1]).at[0].set(0).reshape(shape)
+        q, s = testing.call_with_poisoned_outputs(ffi.quantize_activations, x)
+        q_ref, s_ref = _on_cpu(reference.quantize_activations, x)
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
+        d = np.abs(np.asarray(q, np.float32) - np.asarray(q_ref, np.float32))
+        assert np.all(d <= np.maximum(np.abs(np.asarray(q_ref, np.float32)) / 8, 2**-9)), shape
+        yield f"quantize {shape}"
+
+
+# (B, T, S, Hq, Hkv, causal, window, q_offset, kv_offset): odd sizes, GQA, a window, masked rows.
+ATTENTION_CASES = (
+    (1, 1, 1, 2, 1, True, None, 0, 0),
+    (2, 97, 97, 4, 2, True, 5, 0, 0),
+    (1, 33, 50, 2, 2, True, None, 0, 10),     # rows before their first key: fully masked
+    (1, 97, 130, 16, 1, False, None, 0, 0),
+    (1, 70, 200, 16, 1, True, None, 130, 0),  # queries at the end of a longer key range
+)
+
+
+def check_attention(d):
+    for b, t, s, hq, hkv, causal, window, qo, ko in ATTENTION_CASES:
+        q, k, v = _bf16((b, t, hq, d)), _bf16((b, s, hkv, d)), _bf16((b, s, hkv, d))
+        kw = dict(causal=causal, window=window, return_lse=True)
+        fn = lambda q, k, v, a, c: ffi.flash_attention(q, k, v, q_offset=a, kv_offset=c, **kw)  # noqa: E731
+        o, lse = testing.call_with_poisoned_outputs(fn, q, k, v, jnp.int32(qo), jnp.int32(ko))
+        f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+        ro, rl = _on_cpu(lambda q, k, v: reference.flash_attention(
+            f32(q), f32(k), f32(v), q_offset=qo, kv_offset=ko, **kw), q, k, v)
+        err = testing.max_abs_err(o, ro)
+        assert err < 0.05, (d, b, t, s, err)
+        np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(np.asarray(rl)))
+        yield f"attention d{d} B{b} T{t} S{s} {hq}/{hkv} window={window} offsets={qo},{ko}"
+
+
+def check_w4a8():
+    hopper = testing.has_cuda() and testing.compute_capability() >= (9, 0)
+    kernels = ["auto"] + (["mma_sync", "wgmma"] if hopper else [])
+    for m, n, k in ((1, 256, 128), (97, 384, 256), (300, 136, 384)):
+        x = _bf16((m, k))
+        w = jnp.asarray((RNG.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32))
+        xq, xs = ffi.quantize_activations(x)
+        wq = quant.quantize_mxfp4(w)
+        want = _on_cpu(lambda a, b, c: reference.w4a8_matmul(a, b, c, out_dtype=jnp.float32),
+                       xq, xs, wq)
+        for kern in kernels:
+            got = testing.call_with_poisoned_outputs(
+                lambda a, b, c, kern=kern: ffi.w4a8_matmul(a, b, c, out_dtype=jnp.float32,
+                                                           kernel=kern), xq, xs, wq)
+            err = testing.rel_fro_err(got, want)
+            assert err < 1e-4, (m, n, k, kern, err)
+            yield f"w4a8 {kern} {m}x{n}x{k}"
+
+
+OPS = {"quantize": check_quantize, "d256": lambda: check_attention(256),
+       "d512": lambda: check_attention(512), "w4a8": check_w4a8}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, from {list(OPS)}")
+    args = parser.parse_args()
+    failed = 0
+    for op in args.ops.split(","):
+        if op not in OPS:
+            parser.error(f"--ops: unknown op {op!r}; known: {list(OPS)}")
+        try:
+            for name in OPS[op]():
+                print(f"ok   {name}", flush=True)
+        except Exception as e:  # noqa: BLE001 - report and go on with the next op
+            failed += 1
+            print(f"FAIL {op}: {type(e).__name__}: {e}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
