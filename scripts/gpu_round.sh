@@ -8,6 +8,7 @@
 # Narrower rounds override the selections (pytest arguments, quoted as in a shell):
 #   TESTS="tests/test_quantize.py -k Kernel" SANITIZE_OPS=quantize \
 #   BENCHES="benchmarks/quantize.py" SANITIZE="memcheck initcheck" bash scripts/gpu_round.sh
+# BENCHES entries are separated by ';' and may start with VAR=value words for that entry alone.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 export OUT=${OUT:-/tmp/jax_mila_out}; mkdir -p "$OUT"
@@ -16,7 +17,7 @@ export JAX_MILA_KERNELS=${JAX_MILA_KERNELS:-quantize;flash256;flash512;w4a8}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 TESTS=${TESTS:-tests}
 SANITIZE=${SANITIZE-memcheck initcheck racecheck}  # set but empty: none
-SANITIZE_OPS=${SANITIZE_OPS:-quantize,d256,d512,w4a8}
+SANITIZE_OPS=${SANITIZE_OPS:-quantize d256 d512 w4a8}  # one process per word; "d256,d512": both in one
 BENCHES=${BENCHES-benchmarks/quantize.py;benchmarks/attention.py;benchmarks/gemm.py}
 status=0
 step() { echo "== $* ($(date +%T))"; }
@@ -47,31 +48,59 @@ for b in "${benches[@]}"; do
   b=$(echo "$b" | sed 's/^ *//'); [ -n "$b" ] || continue
   step "bench $b"
   # A benchmark that hangs (a deadlocked kernel, a stuck compile) must not eat the round.
-  timeout "${BENCH_TIMEOUT:-300}" python3 "$REPO"/$b 2>&1 | tee -a "$OUT/bench.log" | grep "^|"
+  # Leading VAR=value words set the environment of that benchmark alone (A/B of a kernel knob).
+  read -ra words <<< "$b"; envs=()
+  while [[ ${words[0]} == *=* ]]; do envs+=("${words[0]}"); words=("${words[@]:1}"); done
+  echo "== ${envs[*]} ${words[*]}" >> "$OUT/bench.log"
+  timeout "${BENCH_TIMEOUT:-300}" env "${envs[@]}" python3 "$REPO/${words[0]}" "${words[@]:1}" 2>&1 \
+    | tee -a "$OUT/bench.log" | grep "^|"
   [ "${PIPESTATUS[0]}" = 124 ] && echo "   (timed out after ${BENCH_TIMEOUT:-300} s; see bench.log)"
 done
 
+# Optional profile of one kernel launch: NCU_KERNEL (a regex of the kernel name) and NCU_CMD (a
+# script under the repo with its arguments; its first matching launch is profiled).
+if [ -n "${NCU_KERNEL:-}" ] && [ -n "${NCU_CMD:-}" ]; then
+  step "ncu $NCU_KERNEL: $NCU_CMD"
+  read -ra words <<< "$NCU_CMD"
+  (cd /tmp; timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none -k "regex:$NCU_KERNEL" -c 1 \
+     --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+     --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
+     python3 "$REPO/${words[0]}" "${words[@]:1}") > "$OUT/ncu.txt" 2>&1 || echo "   ncu exit $?"
+  grep -E "Duration|Throughput|Pipe|Issue Slots|Stall|Achieved Occupancy|Bank" "$OUT/ncu.txt" | head -25
+fi
+
 # compute-sanitizer runs scripts/sanitize_kernels.py (odd-sized calls of every kernel, poisoned
-# outputs, checked against a CPU oracle), one process per op and tool, so a crash of the sanitizer
-# in one does not hide the verdict of the others. (pytest under the sanitizer crashed it.)
-for tool in $SANITIZE; do
-  for op in ${SANITIZE_OPS//,/ }; do
-    step "compute-sanitizer $tool: $op"
-    if [ "$tool" = initcheck ]; then
-      # Unfiltered: initcheck must see XLA's writes of our inputs; the platform allocator gives
-      # every buffer its own cudaMalloc, so no read is of memory a previous buffer initialized.
-      filter=(); alloc=platform
-    else
-      filter=(--kernel-name kns=mila); alloc=${XLA_PYTHON_CLIENT_ALLOCATOR:-default}
-    fi
-    (cd /tmp; XLA_PYTHON_CLIENT_ALLOCATOR=$alloc \
-     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" \
-     compute-sanitizer --tool "$tool" --error-exitcode 99 "${filter[@]}" \
-       python3 "$REPO/scripts/sanitize_kernels.py" --ops "$op") \
-       > "$OUT/sanitize_${tool}_$op.log" 2>&1 || { echo "   exit $?"; status=1; }
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^FAIL" "$OUT/sanitize_${tool}_$op.log" | tail -3
+# outputs, checked against a CPU oracle), one process per op group and tool, so a crash of the
+# sanitizer in one does not hide the verdict of the others (pytest under the sanitizer crashed
+# it). The processes run side by side (SANITIZE_JOBS at once): each is mostly host-side work.
+sanitize() {  # tool, op group
+  local tool=$1 op=$2 filter alloc log="$OUT/sanitize_$1_${2//,/+}.log"
+  if [ "$tool" = initcheck ]; then
+    # Unfiltered: initcheck must see XLA's writes of our inputs; the platform allocator gives
+    # every buffer its own cudaMalloc, so no read is of memory a previous buffer initialized.
+    filter=(); alloc=platform
+  else
+    filter=(--kernel-name kns=mila); alloc=${XLA_PYTHON_CLIENT_ALLOCATOR:-default}
+  fi
+  (cd /tmp; XLA_PYTHON_CLIENT_ALLOCATOR=$alloc XLA_PYTHON_CLIENT_PREALLOCATE=false \
+   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" \
+   compute-sanitizer --tool "$tool" --error-exitcode 99 "${filter[@]}" \
+     python3 "$REPO/scripts/sanitize_kernels.py" --ops "$op") > "$log" 2>&1
+  local rc=$?
+  echo "   $tool $op: exit $rc; $(grep -h -E "ERROR SUMMARY|RACECHECK SUMMARY|^FAIL" "$log" | tr '\n' ' ')"
+  return $rc
+}
+if [ -n "$SANITIZE" ]; then
+  step "compute-sanitizer ($SANITIZE) x ($SANITIZE_OPS)"
+  pids=()
+  for tool in $SANITIZE; do
+    for op in $SANITIZE_OPS; do
+      while [ "$(jobs -rp | wc -l)" -ge "${SANITIZE_JOBS:-4}" ]; do sleep 1; done
+      sanitize "$tool" "$op" & pids+=($!)
+    done
   done
-done
+  for p in "${pids[@]}"; do wait "$p" || status=1; done
+fi
 
 step summary
 grep -h -E "[0-9]+ (passed|failed)" "$OUT"/tests.log | tail -1

@@ -88,7 +88,9 @@ def check_w4a8():
                 lambda a, b, c, kern=kern: ffi.w4a8_matmul(a, b, c, out_dtype=jnp.float32,
                                                            kernel=kern), xq, xs, wq)
             err = testing.rel_fro_err(got, want)
-            assert err < 1e-4, (m, n, k, kern, err)
+            # wgmma (and "auto" on Hopper): FP8 accumulation, ~1e-4 (jax_mila/ffi/w4a8.py)
+            resolved = ffi.w4a8.auto_kernel() if kern == "auto" else kern
+            assert err < (4e-4 if resolved == "wgmma" else 1e-4), (m, n, k, kern, err)
             yield f"w4a8 {kern} {m}x{n}x{k}"
 
 

@@ -134,6 +134,10 @@ CASES = (
     ("batch3_window64_offsets", 3, 130, 200, 8, 4, True, 64, 170, 100, 0.3, 1.0),
     ("all_rows_masked", 1, 40, 60, 2, 1, True, None, 0, 100, None, 1.0),
     ("window5_partial_mask", 1, 97, 97, 16, 16, True, 5, 10, 13, None, 1.0),
+    # Positions offset + index pass INT32_MAX (the oracle's int32 differences wrap back to
+    # the true q_pos - k_pos); a kernel that forms q_offset + i in int32 masks rows >= 100.
+    ("offsets_past_int32_max", 1, 130, 200, 16, 1, True, 64, 2**31 - 100, 2**31 - 170,
+     None, 1.0),
 )
 CPU_CASES = tuple(c for c in CASES if c[2] * c[3] <= 130_000)  # the reference is O(T*S) memory
 
@@ -296,6 +300,12 @@ class FlashAttentionCpuTest(parameterized.TestCase, _Checks):
     def _bad(self, regex, q, k, v, **kw):
         with self.assertRaisesRegex(ValueError, regex):
             ffi.flash_attention(q, k, v, **kw)
+
+    def test_packed_rows_past_int32_refused(self):
+        q = jax.ShapeDtypeStruct((1, 2**28, 16, 256), jnp.bfloat16)  # abstract: never allocated
+        k = jax.ShapeDtypeStruct((1, 8, 1, 256), jnp.bfloat16)
+        with self.assertRaisesRegex(ValueError, "q: T \\* Hq / Hkv = 4294967296 packed rows"):
+            jax.eval_shape(lambda q, k: ffi.flash_attention(q, k, k, causal=True), q, k)
 
     def test_bad_head_dim(self):
         x = jnp.zeros((1, 4, 2, 128), jnp.bfloat16)

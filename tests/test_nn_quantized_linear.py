@@ -22,6 +22,7 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 
 from jax_mila import nn, quant, reference, testing
+from jax_mila.ffi import _registry as ffi_registry
 from jax_mila.nn import linear as linear_mod
 from jax_mila.nn.linear import MXFP4Param
 
@@ -48,7 +49,7 @@ class QuantizedLinearTest(parameterized.TestCase):
 
     def setUp(self):
         super().setUp()
-        linear_mod._logged_fallbacks.clear()
+        ffi_registry.reset_fallback_log()
         k1, k2 = jax.random.split(_key())
         self.kernel = jax.random.normal(k1, (K, N), jnp.float32) * K**-0.5   # [in, out]
         self.x = jax.random.normal(k2, LEAD + (K,), jnp.float32)
@@ -74,7 +75,11 @@ class QuantizedLinearTest(parameterized.TestCase):
         want = _composition(x, q.mxfp4, dtype)
         got = q(x)
         if backend == "auto" and testing.has_cuda():  # the kernel: float32 summation order
-            self.assertLess(testing.rel_fro_err(got, want), 1e-5 if dtype == jnp.float32 else 4e-3)
+            # (on Hopper "auto" is the wgmma kernel: FP8 accumulation, ~1e-4; jax_mila/ffi/w4a8.py)
+            from jax_mila.ffi import w4a8 as w4a8_module
+            f32_tol = 4e-4 if w4a8_module.auto_kernel() == "wgmma" else 1e-5
+            self.assertLess(testing.rel_fro_err(got, want),
+                            f32_tol if dtype == jnp.float32 else 4e-3)
         else:
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 

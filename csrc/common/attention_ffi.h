@@ -44,6 +44,12 @@ inline ffi::Error DecodeAttention(int d, ffi::Buffer<ffi::BF16> q, ffi::Buffer<f
   if (qd[1] > INT32_MAX || kd[1] > INT32_MAX || qd[0] > 65535) {
     return InvalidArgument(kAttentionOp, "sizes out of range: q ", ShapeString(qd), " k ", ShapeString(kd));
   }
+  // The kernels index the packed rows (position x query head of one KV head) in int32.
+  if (qd[1] * (hq / hkv) > INT32_MAX) {
+    return InvalidArgument(kAttentionOp, "q: T * Hq / Hkv = ", qd[1] * (hq / hkv),
+                           " packed rows per KV head exceed INT32_MAX; got q ", ShapeString(qd),
+                           " k ", ShapeString(kd));
+  }
   if (q_offset.element_count() != 1 || kv_offset.element_count() != 1) {
     return InvalidArgument(kAttentionOp, "q_offset and kv_offset must be int32 scalars");
   }

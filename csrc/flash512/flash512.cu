@@ -10,8 +10,11 @@
 //     query heads of one KV head, so a 16:1 layer reads each K/V tile once for all
 //     16 heads (64 rows = 4 positions x 16 heads), not 16 times.
 //   * Q (64 x 512 bf16, 64 KB) stays in shared memory for the whole sweep; K and V
-//     tiles (BN x 512) have one buffer each: V_j is copied (cp.async) while S_j is
-//     computed, K_{j+1} while P_j V_j is.
+//     tiles (BN x 512) have one buffer each. Each slice is copied (cp.async) by the
+//     warps that read it, as soon as they are done with it: warp w refills its own V
+//     columns right after its P_j V_j (a whole tile period to land), the 4 warps that
+//     read a K half refill it right after S_j (see Flash512Kernel's kNarrow; the
+//     previous whole-tile copies remain as the "old" variant for A/B timing).
 //   * PV: warp w owns the output columns [64w, 64w+64) of all 64 rows: 64x64 fp32 =
 //     128 accumulator registers a thread; every warp reads the full P tile (bf16,
 //     through shared memory) and its own 64 V columns.
@@ -46,8 +49,8 @@
 // the most key tiles start first and the short ones fill the tail.
 // Memory is O(1) beyond the operands: nothing is allocated.
 //
-// Measured (H200, causal, Hq=16, Hkv=1, T=S, scale 1): 213 / 223 / 228 / 240 / 244
-// TFLOP/s at S = 4K / 8K / 16K / 32K / 64K (XLA: 208 / 205 / 150 / - / -); BN=32 (the
+// Measured, "old" variant (H200, causal, Hq=16, Hkv=1, T=S, scale 1): 213 / 223 / 228 /
+// 240 / 244 TFLOP/s at S = 4K / 8K / 16K / 32K / 64K (XLA: 208 / 205 / 150 / - / -); BN=32 (the
 // A100 shared-memory variant) 193 at 16K. What bounds it, as far as measured: the same
 // kernel with the per-tile K/V copies removed (a timing-only experiment, wrong results)
 // ran 350 TFLOP/s at 16K, so ~1/3 of the time is the K/V feed: a 64-key tile brings
@@ -64,6 +67,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <string_view>
 
 #include "common/attention_params.h"
 #include "common/ptx.cuh"
@@ -113,17 +117,61 @@ __device__ __forceinline__ void LoadKvTile(uint32_t dst, const __nv_bfloat16* ba
   const int row0 = tid / kChunksPerRow, ch = tid % kChunksPerRow;
 #pragma unroll
   for (int i = 0; i < BN / kRowsPerPass; ++i) {
-    const int key = n0 + row0 + i * kRowsPerPass;
-    const bool valid = key < s;
+    const bool valid = row0 + i * kRowsPerPass < s - n0;  // key < s, with no key past int32
     const __nv_bfloat16* src =
         valid ? thread_src + static_cast<size_t>(n0 + i * kRowsPerPass) * key_stride : base;
     px::cp_async_16(dst + (row0 + i * kRowsPerPass) * kRowBytes + ch * 16, src, valid);
   }
 }
 
+// kPasses x kRowsPerPass rows of a K or V slice (the "new" variant's narrow copies):
+// this thread copies 16 bytes of rows i * kRowsPerPass, i < kPasses, from `src` (its
+// chunk in the slice's first row) to `dst`. `rem` = s - (key of that first row): rows
+// at or past it are zero-filled from `fallback` (never read). Written as `i*step < rem`
+// so that no key index is formed that could pass INT32_MAX.
+template <int kPasses, int kRowsPerPass>
+__device__ __forceinline__ void CopyRows(uint32_t dst, const __nv_bfloat16* src,
+                                         const __nv_bfloat16* fallback, int key_stride,
+                                         int rem) {
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const bool valid = i * kRowsPerPass < rem;
+    const __nv_bfloat16* from =
+        valid ? src + static_cast<size_t>(i * kRowsPerPass) * key_stride : fallback;
+    px::cp_async_16(dst + i * kRowsPerPass * kRowBytes, from, valid);
+  }
+}
+
 // kSUnroll / kPvUnroll: unroll factors of the S (16 steps) and PV (BN/16 steps) loops;
 // at 255 registers they decide how far ptxas may hoist ldmatrix ahead of the MMAs.
-template <int BN, int kSUnroll, int kPvUnroll>
+//
+// kNarrow selects how K and V reach shared memory (both variants compute the same thing):
+//   false ("old"): all 256 threads copy whole K / V tiles. V_j is issued at the top of
+//     tile j and must land before P_j V_j (one S phase to land); K_{j+1} is issued
+//     after the S reduction. 4 barriers a tile: block, block, pair, block.
+//   true ("new", default): every copy is issued by exactly the warps that read it.
+//     * V: warp w reads only V[:, 64w:64w+64], so it copies those columns itself
+//       (8 KB for BN=64) right after its own P_j V_j, and waits for them (its own
+//       cp.async group + __syncwarp) before P_{j+1} V_{j+1}: a whole tile period to
+//       land instead of one S phase, and no block barrier waits on V.
+//     * K: the 4 warps with the same wn (both wm, both ks) are the only readers of
+//       keys [BN/2 wn, BN/2 wn + BN/2) and also the 2 reduction pairs of those keys,
+//       so one 128-thread named barrier per group both publishes the S partials and
+//       frees its K half; the group then issues its K_{j+1} half at once (a slow
+//       group no longer delays the other's copy), and at the next tile waits on it
+//       with the same kind of group barrier instead of __syncthreads.
+//     Barriers a tile: group(128), group(128), pair(64), block (P_j). Why the block
+//     barrier at the top can go: a warp writes P_{j+1} / alpha_{j+1} only after the
+//     pair barrier with its wn partner, which follows both partners' group barriers
+//     of tile j+1, which follow every one of the 8 warps' P_j V_j (the two groups
+//     cover all warps) -- so no warp still reads P_j / alpha_j. The other buffers
+//     (red, s_max) are rewritten only after the block barrier of the tile in which
+//     they were read.
+//   cp.async groups a thread commits, in order: [Q + K_lo], [V_lo], then per tile
+//   [K_{j+1} half] after S_j and [V_{j+1} cols] after P_j V_j (empty past the last
+//   tile), so wait_group 1 at the top of tile j leaves only V_j in flight and
+//   wait_group 1 before P_j V_j leaves only K_{j+1}.
+template <int BN, int kSUnroll, int kPvUnroll, bool kNarrow>
 __global__ void __launch_bounds__(kThreads, 1)
     Flash512Kernel(const AttentionParams p, const int num_m_blocks) {
   using C = Flash512Config<BN>;
@@ -138,7 +186,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x);  // longest first
   const int h = blockIdx.y, b = blockIdx.z;
   const int G = p.hq / p.hkv;
-  // Packed rows and positions fit in int32: a KV head's rows are T*G rows of 1 KB of q.
+  // Packed rows fit in int32: the FFI handler rejects T * Hq / Hkv > INT32_MAX.
+  // Positions (offset + index) do not: they are formed in int64 only.
   const int rows_total = p.t * G;
   const int m0 = m_block * kBlockM;
   const int q_off = *p.q_offset, kv_off = *p.kv_offset;
@@ -146,11 +195,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Keys any row of this block can see.
   const int t_min = m0 / G;
   const int t_max = min(p.t - 1, (m0 + kBlockM - 1) / G);
-  const int qpos_min = q_off + t_min, qpos_max = q_off + t_max;
-  // In int64: q_pos - k_pos may leave int32 range for extreme offsets.
+  const int64_t qpos_min = static_cast<int64_t>(q_off) + t_min;
+  const int64_t qpos_max = static_cast<int64_t>(q_off) + t_max;
   int64_t n_lo = 0, n_hi = p.s;
-  if (p.causal) n_hi = min(n_hi, static_cast<int64_t>(qpos_max) - kv_off + 1);
-  if (p.window > 0) n_lo = max(n_lo, static_cast<int64_t>(qpos_min) - p.window + 1 - kv_off);
+  if (p.causal) n_hi = min(n_hi, qpos_max - kv_off + 1);
+  if (p.window > 0) n_lo = max(n_lo, qpos_min - p.window + 1 - kv_off);
   int tile_lo = 0, tile_hi = 0;
   if (n_hi > n_lo) {
     tile_lo = static_cast<int>(n_lo / BN);
@@ -177,14 +226,36 @@ __global__ void __launch_bounds__(kThreads, 1)
   const __nv_bfloat16* k_thread = k_base + thread_off;
   const __nv_bfloat16* v_thread = v_base + thread_off;
 
-  // The two softmax rows of this thread (after the S reduction): rows sr[0], sr[1].
-  int sr[2], qpos[2];
+  // The two softmax rows of this thread (after the S reduction): rows sr[0], sr[1], at
+  // query positions q_off + tq[r] (formed in int64 where used).
+  int sr[2], tq[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     sr[r] = 16 * (2 * wm + ks) + g + 8 * r;
     const int pr = m0 + sr[r];
-    qpos[r] = q_off + (pr < rows_total ? pr / G : p.t - 1);
+    tq[r] = pr < rows_total ? pr / G : p.t - 1;
   }
+
+  // "new" variant copy slices. K: thread gi (0..127) of group wn copies 16-byte chunk
+  // gi % 64 of rows gi / 64 + 2i of the group's BN/2 keys. V: lane copies chunk lane % 8
+  // of warp w's 128-byte column slice, rows lane / 8 + 4i.
+  const int gi = (2 * wm + ks) * 32 + lane;
+  const int k_row0 = kWarpKeys * wn + gi / 64;
+  const uint32_t k_dst = sK + k_row0 * kRowBytes + (gi % 64) * 16;
+  const __nv_bfloat16* k_src = k_base + static_cast<size_t>(k_row0) * key_stride + (gi % 64) * 8;
+  const int v_row0 = lane / 8;
+  const uint32_t v_dst = sV + v_row0 * kRowBytes + warp * 128 + (lane % 8) * 16;
+  const __nv_bfloat16* v_src =
+      v_base + static_cast<size_t>(v_row0) * key_stride + warp * 64 + (lane % 8) * 8;
+  // Issue (no commit) this group's K half / this warp's V columns of the tile at n0.
+  auto copy_k_half = [&](int n0) {
+    CopyRows<kWarpKeys / 2, 2>(k_dst, k_src + static_cast<size_t>(n0) * key_stride, k_base,
+                               key_stride, p.s - n0 - k_row0);
+  };
+  auto copy_v_cols = [&](int n0) {
+    CopyRows<BN / 4, 4>(v_dst, v_src + static_cast<size_t>(n0) * key_stride, v_base,
+                        key_stride, p.s - n0 - v_row0);
+  };
 
   float o[4][8][4];
 #pragma unroll
@@ -214,6 +285,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     LoadKvTile<BN>(sK, k_base, k_thread, key_stride, tile_lo * BN, p.s, tid);
   }
   px::cp_async_commit();
+  if constexpr (kNarrow) {
+    if (tile_lo < tile_hi) copy_v_cols(tile_lo * BN);
+    px::cp_async_commit();
+    px::cp_async_wait<1>();
+    __syncthreads();  // Q and K_lo (copied by all threads) visible to all
+  }
 
   // Per-lane ldmatrix addresses (byte offsets added per step are compile-time).
   const uint32_t a_addr = sQ + (32 * wm + (lane & 15)) * kRowBytes + (ks * 32 + (lane >> 4)) * 16;
@@ -225,10 +302,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   for (int tile = tile_lo; tile < tile_hi; ++tile) {
     const int n0 = tile * BN;
-    px::cp_async_wait<0>();
-    __syncthreads();  // K_j (and Q) landed; every warp is done with V_{j-1} and P_{j-1}
-    LoadKvTile<BN>(sV, v_base, v_thread, key_stride, n0, p.s, tid);
-    px::cp_async_commit();
+    if constexpr (kNarrow) {
+      if (tile != tile_lo) {
+        px::cp_async_wait<1>();  // this thread's part of K_j's half wn (V_j may fly on)
+        px::named_barrier_sync(5 + wn, 128);  // the group's K_j half visible to the group
+      }
+    } else {
+      px::cp_async_wait<0>();
+      __syncthreads();  // K_j (and Q) landed; every warp is done with V_{j-1} and P_{j-1}
+      LoadKvTile<BN>(sV, v_base, v_thread, key_stride, n0, p.s, tid);
+      px::cp_async_commit();
+    }
 
     // ---- S partial: rows 32wm.., keys kWarpKeys*wn.., D half ks.
     float acc[2][kNT][4];
@@ -266,8 +350,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       send.w = ks ? acc[0][n][3] : acc[1][n][3];
       red[((1 - ks) * kNT + n) * 32 + lane] = send;
     }
-    __syncthreads();  // partials visible; every warp is done reading K_j
-    if (tile + 1 < tile_hi) LoadKvTile<BN>(sK, k_base, k_thread, key_stride, n0 + BN, p.s, tid);
+    if constexpr (kNarrow) {
+      // Partials visible within the group (its two reduction pairs); the group's 4
+      // warps, the only readers of K_j's half wn, are done with it.
+      px::named_barrier_sync(5 + wn, 128);
+      if (tile + 1 < tile_hi) copy_k_half(n0 + BN);
+    } else {
+      __syncthreads();  // partials visible; every warp is done reading K_j
+      if (tile + 1 < tile_hi) LoadKvTile<BN>(sK, k_base, k_thread, key_stride, n0 + BN, p.s, tid);
+    }
     px::cp_async_commit();  // possibly empty: keeps the wait_group arithmetic uniform
 
     float s[kNT][4];
@@ -282,7 +373,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // ---- Online softmax on rows sr[0], sr[1], keys n0 + kWarpKeys*wn + 8n + 2t4 + {0,1}.
     const bool need_mask =
-        (n0 + BN > p.s) ||
+        (p.s - n0 < BN) ||
         (p.causal && static_cast<int64_t>(n0) + BN - 1 + kv_off > qpos_min) ||
         (p.window > 0 && static_cast<int64_t>(n0) + kv_off + p.window <= qpos_max);
 #pragma unroll
@@ -294,10 +385,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int n = 0; n < kNT; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = n0 + kWarpKeys * wn + 8 * n + 2 * t4 + (e & 1);
+          const int kofs = kWarpKeys * wn + 8 * n + 2 * t4 + (e & 1);  // key - n0
           // delta = q_pos - k_pos; visible iff key < s, delta >= 0 (causal), delta < window.
-          const int64_t delta = static_cast<int64_t>(qpos[e >> 1]) - kv_off - key;
-          const bool visible = key < p.s && (!p.causal || delta >= 0) &&
+          const int64_t delta = static_cast<int64_t>(q_off) + tq[e >> 1] - kv_off - n0 - kofs;
+          const bool visible = kofs < p.s - n0 && (!p.causal || delta >= 0) &&
                                (p.window <= 0 || delta < p.window);
           if (!visible) s[n][e] = NegInf();
         }
@@ -347,10 +438,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       s_alpha[sr[0]] = alpha[0];
       s_alpha[sr[1]] = alpha[1];
     }
-    px::cp_async_wait<1>();  // V_j landed (K_{j+1} may still be in flight)
-    // P_j, alpha_j and V_j visible to every warp; and whether any row's max moved (once
-    // the running maxima settle, usually none has, and the rescale of O is skipped).
+    if constexpr (!kNarrow) px::cp_async_wait<1>();  // V_j landed (K_{j+1} may still fly)
+    // P_j, alpha_j (and in "old", V_j) visible to every warp; and whether any row's max
+    // moved (once the running maxima settle, usually none has: the O rescale is skipped).
     const int any_rescale = __syncthreads_or(alpha[0] != 1.f || alpha[1] != 1.f);
+    if constexpr (kNarrow) {
+      px::cp_async_wait<1>();  // this lane's V_j chunks landed (K_{j+1} may still fly)
+      __syncwarp();            // ... and the other lanes' (the warp reads only its own)
+    }
 
     // ---- O[:, 64w:64w+64] = alpha * O + P V.
     if (any_rescale) {
@@ -383,6 +478,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           px::mma_bf16_16816(o[mt][2 * np + 1], pa[mt], b1);
         }
       }
+    }
+    if constexpr (kNarrow) {
+      __syncwarp();  // every lane's ldmatrix of V_j columns done before they are refilled
+      if (tile + 1 < tile_hi) copy_v_cols(n0 + BN);
+      px::cp_async_commit();
     }
   }
   px::cp_async_wait<0>();
@@ -441,10 +541,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-template <int BN, int kSUnroll, int kPvUnroll>
+template <int BN, int kSUnroll, int kPvUnroll, bool kNarrow>
 cudaError_t LaunchWithKeyTile(const AttentionParams& p, cudaStream_t stream) {
   constexpr int kSmem = Flash512Config<BN>::kSmemBytes;
-  cudaError_t err = cudaFuncSetAttribute(Flash512Kernel<BN, kSUnroll, kPvUnroll>,
+  cudaError_t err = cudaFuncSetAttribute(Flash512Kernel<BN, kSUnroll, kPvUnroll, kNarrow>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   const int64_t rows = static_cast<int64_t>(p.t) * (p.hq / p.hkv);
@@ -452,7 +552,8 @@ cudaError_t LaunchWithKeyTile(const AttentionParams& p, cudaStream_t stream) {
   if (num_m_blocks > INT32_MAX) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(num_m_blocks), static_cast<unsigned>(p.hkv),
                   static_cast<unsigned>(p.batch));
-  Flash512Kernel<BN, kSUnroll, kPvUnroll><<<grid, kThreads, kSmem, stream>>>(p, static_cast<int>(num_m_blocks));
+  Flash512Kernel<BN, kSUnroll, kPvUnroll, kNarrow>
+      <<<grid, kThreads, kSmem, stream>>>(p, static_cast<int>(num_m_blocks));
   return cudaGetLastError();
 }
 
@@ -464,6 +565,23 @@ int ForcedKeyTile() {
     return env != nullptr ? std::atoi(env) : 0;
   }();
   return v;
+}
+
+// Developer knob, read once per process: JAX_MILA_FLASH512_VARIANT=old runs the kernel
+// with whole-tile K/V copies (the pre-narrow-copy version, kept for A/B timing on one
+// build); unset or anything else runs "new" (per-warp V, per-group K copies).
+bool UseOldVariant() {
+  static const bool old = [] {
+    const char* env = std::getenv("JAX_MILA_FLASH512_VARIANT");
+    return env != nullptr && std::string_view(env) == "old";
+  }();
+  return old;
+}
+
+template <int BN, int kSUnroll, int kPvUnroll>
+cudaError_t LaunchVariant(const AttentionParams& p, cudaStream_t stream) {
+  return UseOldVariant() ? LaunchWithKeyTile<BN, kSUnroll, kPvUnroll, false>(p, stream)
+                         : LaunchWithKeyTile<BN, kSUnroll, kPvUnroll, true>(p, stream);
 }
 
 }  // namespace
@@ -479,9 +597,9 @@ cudaError_t LaunchFlashAttentionD512(const AttentionParams& p, cudaStream_t stre
   if (max_smem >= Flash512Config<64>::kSmemBytes && ForcedKeyTile() != 32) {
     // S loop fully unrolled, PV loop rolled: 254 registers, no spills (the S loop by 4
     // with PV unrolled measured the same, 227 TFLOP/s at S=16K).
-    return LaunchWithKeyTile<64, 16, 1>(p, stream);
+    return LaunchVariant<64, 16, 1>(p, stream);
   }
-  if (max_smem >= Flash512Config<32>::kSmemBytes) return LaunchWithKeyTile<32, 16, 2>(p, stream);
+  if (max_smem >= Flash512Config<32>::kSmemBytes) return LaunchVariant<32, 16, 2>(p, stream);
   return cudaErrorInvalidConfiguration;
 }
 

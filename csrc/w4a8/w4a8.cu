@@ -235,30 +235,41 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_mma_kernel(const W4A8Args ar
 
 // ============================================================================================
 // wgmma kernel (sm_90a): block tile 128 weight rows x 256 activation rows x 128 (K); two
-// warpgroups, each computing y^T[64 weight rows, 256 activation rows] with 4 wgmma.m64n256k32
-// per K tile. The activation tile is the shared-memory B operand (128-byte rows, 128B swizzle,
-// 4-stage cp.async pipeline, prefetch distance 2 so a stage is refilled only after the wgmma
-// batch that read it has retired). The weight tile is the register A operand: each thread loads
-// its two rows' words straight from global memory one K tile ahead and converts them while the
-// previous wgmma batch runs. One wgmma batch stays in flight across iterations.
+// warpgroups, each computing y^T[64 weight rows, 256 activation rows]. A 5-stage cp.async
+// pipeline (prefetch distance 4) brings each K tile's activations (128-byte rows, 128B swizzle:
+// the shared-memory B operand), packed weights and block exponents into shared memory. The
+// weight tile is the register A operand: after a tile's last wgmma retires, each thread converts
+// its two rows of the next tile from shared memory into e4m3 fragments.
+//
+// FP8 accumulation: Hopper's FP8 wgmma adds into its fp32 accumulator at reduced precision
+// (~14 bits, truncated): a K=15360 chain drifts to 1.6e-3 relative error. So partial sums are
+// promoted (DeepGEMM-style): per K tile and per activation half (n128), 4 wgmma.m64n128k32 run
+// into a 64-register temporary (scale-d = 0 on the first: a fresh sum), then master += temp in
+// fp32 registers. Chains are 128 long whatever K is. Master (128) + temp (64) fit next to the
+// A fragments; a second full-width accumulator would not. While one warpgroup waits and adds,
+// the other warpgroup's wgmma keeps the tensor cores busy.
 // ============================================================================================
 namespace wg {
 
 constexpr int kBN = 128;  // weight rows (2 warpgroups x 64)
-constexpr int kBM = 256;  // activation rows (wgmma N)
-constexpr int kStages = 4;
-constexpr int kPrefetch = kStages - 2;
+constexpr int kBM = 256;  // activation rows
+constexpr int kHalfM = 128;  // activation rows per wgmma (n128) and per promotion
+// Step kt refills (at its end) the stage of tile kt - 1 with tile kt + kStages - 1, which the
+// barrier of step kt + kStages - 3 needs: 5 stages leave 2.5 steps for the copies.
+constexpr int kStages = 5;
+constexpr int kPrefetch = kStages - 1;
 constexpr int kThreads = 256;
 constexpr int kXStage = kBM * kBK;           // 32 KiB, 1024-byte aligned
-constexpr int kSmemBytes = kStages * kXStage + 1024;  // + alignment slack
+constexpr int kXHalf = kHalfM * kBK;         // byte offset of activation row 128 (1024-aligned)
+constexpr int kWStage = kBN * kPackedTile;   // 8 KiB of packed weights per stage
+constexpr int kEStage = kBN * kKBlocks;      // 512 B of block exponents per stage
+constexpr int kWOffset = kStages * kXStage;  // weight stages follow the activation stages
+constexpr int kEOffset = kWOffset + kStages * kWStage;
+constexpr int kLutOffset = kEOffset + kStages * kEStage;  // RowLut of the tile's 128 rows
+constexpr int kSmemBytes = kLutOffset + kBN * 8 + 1024;     // + alignment slack
 constexpr int kOutPitch = kBN + 8;           // bf16 per staged output row (conflict-free)
 constexpr int kGroupM = 8;
 static_assert(kBM * kOutPitch * 2 <= kStages * kXStage, "output staging must fit");
-
-struct WeightRegs {
-  uint4 words[2];     // rows g and g + 8: word q of blocks 0..3
-  uint32_t exps[2];   // their 4 block exponents
-};
 
 template <typename OutT>
 __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const W4A8Args args) {
@@ -284,113 +295,138 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const W4A8Args 
   // Activation rows of this thread: tid / 8 + 32 i, 16-byte chunk tid % 8 (so row & 7 is
   // (tid / 8) & 7 for every i). Rows past M (last M tile only) re-read row M - 1 instead of
   // being zero-filled: their results are never stored, and the copies stay unpredicated.
+  // Weight rows (packed and exponents) past N are zero-filled: they convert to zeros.
   constexpr int kXCopies = kXStage / 16 / kThreads;
-  const int x_row0 = tid / 8, x_chunk = tid % 8;
-  const bool x_full_tile = m0 + kBM <= M;
-  const uint8_t* x_src0 = args.x + (m0 + x_row0) * K + x_chunk * 16;  // used when x_full_tile
-  const int64_t x_src_step = 32 * static_cast<int64_t>(K);
-  const uint32_t x_dst0 = x_row0 * kBK + ((x_chunk ^ (x_row0 & 7)) * 16);
-  auto load_x = [&](int stage, int kt) {
-    const uint32_t sx = smem_base + stage * kXStage + x_dst0;
-    if (x_full_tile) {
-      const uint8_t* src = x_src0 + kt * kBK;
+  constexpr int kWCopies = kWStage / 16 / kThreads;
+  // Few long-lived registers here: the partial sums, the master sums and the A fragments take
+  // 208 of the 255, so the copy addresses are rebuilt from the kernel arguments every tile.
+  // Last valid row of the activation tile: rows past M (last M tile only) re-read it.
+  const int x_last = static_cast<int>(min(M - m0, static_cast<int64_t>(kBM))) - 1;
+  auto load_stage = [&](int stage, int kt) {
+    // The thread index read again here (volatile) keeps the compiler from hoisting per-thread
+    // addresses out of the K loop into registers that would stay live across the wgmma.
+    const int tid = ptx::w4a8::thread_index();
+    const int x_row0 = tid / 8, x_chunk = tid % 8;
+    const uint32_t sx =
+        smem_base + stage * kXStage + x_row0 * kBK + ((x_chunk ^ (x_row0 & 7)) * 16);
+    const uint8_t* xsrc = args.x + m0 * K + kt * kBK + x_chunk * 16;
 #pragma unroll
-      for (int i = 0; i < kXCopies; ++i) ptx::cp_async_16(sx + i * 32 * kBK, src + i * x_src_step);
-    } else {
+    for (int i = 0; i < kXCopies; ++i) {
+      const int row = min(x_row0 + 32 * i, x_last);
+      ptx::cp_async_16(sx + i * 32 * kBK, xsrc + static_cast<int64_t>(row) * K);
+    }
 #pragma unroll
-      for (int i = 0; i < kXCopies; ++i) {
-        const int64_t row = min(m0 + x_row0 + 32 * i, M - 1);
-        ptx::cp_async_16(sx + i * 32 * kBK, args.x + row * K + kt * kBK + x_chunk * 16);
-      }
+    for (int i = 0; i < kWCopies; ++i) {
+      const int c = tid + i * kThreads, row = c / 4, chunk = c % 4;
+      const bool valid = n0 + row < N;
+      const uint8_t* src = args.packed + (valid ? static_cast<int64_t>(n0 + row) * (K / 2) : 0) +
+                           kt * kPackedTile + chunk * 16;
+      ptx::cp_async_16(smem_base + kWOffset + stage * kWStage + c * 16, src, valid);
+    }
+    if (tid < kBN) {
+      const bool valid = n0 + tid < N;
+      const uint8_t* src =
+          args.scales + (valid ? static_cast<int64_t>(n0 + tid) * (K / 32) : 0) + kt * kKBlocks;
+      ptx::w4a8::cp_async_4(smem_base + kEOffset + stage * kEStage + tid * kKBlocks, src, valid);
     }
   };
 
-  // This thread's weight rows: A-fragment rows g and g + 8 of its warp's 16.
-  int wrow[2];
-  RowLut lut_c[2];
-  const uint8_t* wptr[2];
-  const uint8_t* sptr[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    wrow[h] = n0 + wgi * 64 + wwarp * 16 + g + 8 * h;
-    const bool valid = wrow[h] < N;
-    lut_c[h] = row_lut(valid ? args.channel_exp[wrow[h]] : 0u);
-    wptr[h] = args.packed + static_cast<int64_t>(valid ? wrow[h] : 0) * (K / 2) + q * 16;
-    sptr[h] = args.scales + static_cast<int64_t>(valid ? wrow[h] : 0) * (K / 32);
-  }
-  auto load_w = [&](int kt, WeightRegs& w) {
+  // This thread's weight rows: A-fragment rows g and g + 8 of its warp's 16 (tile-local). The
+  // table constants of the tile's rows live in shared memory (written before the first barrier).
+  const int wrow0 = wgi * 64 + wwarp * 16 + g;
+  RowLut* s_lut = reinterpret_cast<RowLut*>(smem + kLutOffset);
+  if (tid < kBN) s_lut[tid] = row_lut(n0 + tid < N ? args.channel_exp[n0 + tid] : 0u);
+  // A fragment of block kb: {row g k 4q.., row g+8 k 4q.., row g k 16+4q.., row g+8 k 16+4q..},
+  // from the stage's packed words (row-major, 64 bytes a row: a warp reads 512 contiguous bytes).
+  auto convert = [&](int stage, uint32_t (&a)[kKBlocks][4]) {
+    const uint8_t* sw = smem + kWOffset + stage * kWStage;
+    const uint8_t* se = smem + kEOffset + stage * kEStage;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      if (wrow[h] < N) {
-        w.words[h] = __ldg(reinterpret_cast<const uint4*>(wptr[h] + kt * kPackedTile));
-        w.exps[h] = __ldg(reinterpret_cast<const uint32_t*>(sptr[h] + kt * kKBlocks));
-      } else {
-        w.words[h] = make_uint4(0, 0, 0, 0);
-        w.exps[h] = 0;
+      const int row = wrow0 + 8 * h;
+      const uint4 v = *reinterpret_cast<const uint4*>(sw + row * kPackedTile + q * 16);
+      const uint32_t exps = *reinterpret_cast<const uint32_t*>(se + row * kKBlocks);
+      const RowLut lut = s_lut[row];
+#pragma unroll
+      for (int kb = 0; kb < kKBlocks; ++kb) {
+        const uint32_t word = kb == 0 ? v.x : kb == 1 ? v.y : kb == 2 ? v.z : v.w;
+        word_to_e4m3(word, (exps >> (8 * kb)) & 0xFFu, lut, a[kb][h], a[kb][2 + h]);
       }
     }
   };
-  // A fragment of block kb: {row g k 4q.., row g+8 k 4q.., row g k 16+4q.., row g+8 k 16+4q..}.
-  auto convert = [&](const WeightRegs& w, uint32_t (&a)[kKBlocks][4]) {
-#pragma unroll
-    for (int kb = 0; kb < kKBlocks; ++kb)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint4& v = w.words[h];
-        const uint32_t word = kb == 0 ? v.x : kb == 1 ? v.y : kb == 2 ? v.z : v.w;
-        word_to_e4m3(word, (w.exps[h] >> (8 * kb)) & 0xFFu, lut_c[h], a[kb][h], a[kb][2 + h]);
-      }
-  };
 
+  // acc: the fp32 master sums, in m64n256 layout (acc[64 h + i] = half h's temp[i]).
   float acc[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.f;
 
 #pragma unroll
   for (int s = 0; s < kPrefetch; ++s) {
-    if (s < kt_count) load_x(s, s);
+    if (s < kt_count) load_stage(s, s);
     ptx::cp_async_commit();
   }
-  uint32_t a[2][kKBlocks][4];
-  WeightRegs wnext;
-  load_w(0, wnext);
-  convert(wnext, a[0]);
-  if (kt_count > 1) load_w(1, wnext);
+  uint32_t a[kKBlocks][4];
+  ptx::cp_async_wait<kPrefetch - 2>();
+  __syncthreads();  // tiles 0 and 1 and the table constants visible
+  convert(0, a);
 
-  // One K tile; `buf` (compile-time) selects the A registers of this tile.
-  auto step = [&](auto buf, int kt) {
-    constexpr int cur = decltype(buf)::value;
-    ptx::cp_async_wait<kPrefetch - 1>();
-    ptx::w4a8::fence_proxy_async_shared();
-    __syncthreads();  // tile kt visible; every warpgroup has retired the batch of kt - 2
-    const uint32_t sx = smem_base + (kt % kStages) * kXStage;
-    ptx::w4a8::wgmma_fence();
+  // One K tile for one activation half: 4 chained wgmma into a fresh partial sum, committed.
+  // The partial sum is left undefined on purpose (the first wgmma has scale-d = 0 and never reads
+  // it), so its 64 registers are dead between promotions and free for the conversion and copies.
+  auto issue_half = [&](float (&part)[64], uint32_t sx_half) {
+    ptx::w4a8::wgmma_fence();  // orders the register accesses before it (adds, conversion)
+    ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[0], ptx::w4a8::wgmma_desc_k128b(sx_half));
+#pragma unroll
+    for (int kb = 1; kb < kKBlocks; ++kb)
+      ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a[kb],
+                                                ptx::w4a8::wgmma_desc_k128b(sx_half + kb * 32));
+    ptx::w4a8::wgmma_commit();
+  };
+  auto promote = [&](float (&part)[64], int h) {
+    ptx::w4a8::wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 64; ++i) ptx::w4a8::fence_operand(part[i]);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[64 * h + i] += part[i];
+  };
+
+  // Per step, each warpgroup keeps at most one wgmma batch in flight (one partial sum fits), so
+  // the tensor cores stay busy only if the two warpgroups alternate: while one waits, adds,
+  // converts or copies, the other's batch runs. Hence no barrier between the end of one step and
+  // the first batch of the next: the step's one barrier sits where the warpgroup waits anyway,
+  // behind its second batch.
+  for (int kt = 0; kt < kt_count; ++kt) {
+    const uint32_t sx = smem_base + (kt % kStages) * kXStage;  // visible: barrier of step kt - 1
+    {
+      float part[64];
+      issue_half(part, sx);
+      promote(part, 0);
+    }
+    {
+      float part[64];
+      issue_half(part, sx + kXHalf);
+      // Tile kt + 1 (the next step's batches and the conversion below) becomes visible. Every
+      // warpgroup here has finished step kt - 1 (retired its batches of tile kt - 1, converted
+      // tile kt), so the stage of tile kt - 1 may be refilled below.
+      ptx::cp_async_wait<kPrefetch - 2>();
+      ptx::w4a8::fence_proxy_async_shared();
+      __syncthreads();
+      promote(part, 1);
+    }
+    // Both batches retired: the A registers are free for the next tile.
 #pragma unroll
     for (int kb = 0; kb < kKBlocks; ++kb)
-      ptx::w4a8::wgmma_m64n256k32_e4m3_rs(acc, a[cur][kb],
-                                          ptx::w4a8::wgmma_desc_k128b(sx + kb * 32));
-    ptx::w4a8::wgmma_commit();
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ptx::w4a8::fence_operand(a[kb][e]);
+    if (kt + 1 < kt_count) convert((kt + 1) % kStages, a);
     {
-      // Refill the stage of tile kt - 2 (retired) while the tensor cores work.
+      // Refill the stage of tile kt - 1. Here rather than while a batch runs: the partial sum's
+      // registers are dead now, and the copies' addresses need some.
       const int next = kt + kPrefetch;
-      if (next < kt_count) load_x(next % kStages, next);
+      if (next < kt_count) load_stage(next % kStages, next);
       ptx::cp_async_commit();
     }
-    ptx::w4a8::wgmma_wait<1>();  // the batch of kt - 1 (which read a[cur ^ 1]) has retired
-#pragma unroll
-    for (int kb = 0; kb < kKBlocks; ++kb)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) ptx::w4a8::fence_operand(a[cur ^ 1][kb][e]);
-    if (kt + 1 < kt_count) convert(wnext, a[cur ^ 1]);
-    if (kt + 2 < kt_count) load_w(kt + 2, wnext);
-  };
-  for (int kt = 0; kt < kt_count; kt += 2) {
-    step(std::integral_constant<int, 0>{}, kt);
-    if (kt + 1 < kt_count) step(std::integral_constant<int, 1>{}, kt + 1);
   }
-  ptx::w4a8::wgmma_wait<0>();
-#pragma unroll
-  for (int i = 0; i < 128; ++i) ptx::w4a8::fence_operand(acc[i]);
   ptx::cp_async_wait<0>();
   __syncthreads();  // every warpgroup is done reading the stages: reuse them for the output
 
@@ -438,7 +474,11 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const W4A8Args 
       *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(args.out) + (m0 + r) * N + col) = v;
     }
   }
-#endif  // other archs compile an empty kernel that the launcher never starts
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // An sm_90 image without the sm_90a features (e.g. PTX JIT-compiled for a Hopper GPU): fail
+  // loudly rather than return an unwritten output.
+  __trap();
+#endif  // older archs compile an empty kernel that the launcher never starts
 }
 
 }  // namespace wg
@@ -460,10 +500,9 @@ cudaError_t LaunchW4A8Matmul(const W4A8Args& args, W4A8Variant variant, int cc,
                              cudaStream_t stream) {
   if (cc < kW4A8MinComputeCapability) return cudaErrorNoKernelImageForDevice;
   if (variant == W4A8Variant::kAuto) {
-    // The wgmma kernel accumulates FP8 products at the tensor core's reduced FP8 accumulation
-    // precision (measured rel. error 1.6e-3 at K=15360 on the H200, against < 1e-5 for the
-    // mma.sync kernel); until it promotes partial sums to fp32 it is opt-in only.
-    variant = W4A8Variant::kMmaSync;
+    // Hopper runs FP8 mma.sync at the fp16 rate; its native FP8 path is wgmma. (The Python
+    // wrapper sends kAuto only for builds that hold the sm_90a code.)
+    variant = cc == 90 ? W4A8Variant::kWgmma : W4A8Variant::kMmaSync;
   }
   if (variant == W4A8Variant::kWgmma) {
     if (cc != 90) return cudaErrorNoKernelImageForDevice;

@@ -2,9 +2,11 @@
 // e2m1 codes packed in kernel order, e8m0 block exponents, a per-channel reference exponent).
 // FP8 tensor cores with float32 accumulation; the weights stay 4-bit in memory and become e4m3
 // in registers right before the MMA. Two kernels:
-//   wgmma (sm_90a): the weight tile is the register A operand of wgmma.m64n256k32 (so the
-//     converted FP8 weights never touch shared memory), the activations the shared-memory B
-//     operand; computes y^T tiles and transposes them through shared memory in the epilogue.
+//   wgmma (sm_90a): the converted weight tile is the register A operand of wgmma.m64n128k32
+//     (the FP8 weights never touch shared memory, only the packed ones), the activations the
+//     shared-memory B operand; computes y^T tiles and transposes them through shared memory in
+//     the epilogue. Partial sums are promoted to fp32 registers every 128 of K (Hopper's FP8
+//     wgmma accumulates at ~14 bits).
 //   mma.sync (sm_89+): m16n8k32 FP8 mma. Native on sm_89/sm_120; on sm_90 ptxas lowers FP8
 //     mma.sync to F2FP + two HMMA.16816 (fp16 rate), so Hopper uses the wgmma kernel.
 #pragma once
@@ -41,8 +43,9 @@ struct W4A8Args {
 enum class W4A8Variant : int { kAuto = 0, kMmaSync = 1, kWgmma = 2 };
 
 // Requires k % 128 == 0, n % 8 == 0, 16-byte aligned pointers for x, packed and out, and
-// compute capability >= 8.9 (`cc`, 10 * major + minor); kWgmma requires cc == 90 and a build
-// for sm_90a. Kernels compiled for older archs are empty and never launched.
+// compute capability >= 8.9 (`cc`, 10 * major + minor); kWgmma (and kAuto on cc 90) requires
+// cc == 90 and a build for sm_90a (a Hopper image without it traps). Kernels compiled for older
+// archs are empty and never launched.
 cudaError_t LaunchW4A8Matmul(const W4A8Args& args, W4A8Variant variant, int cc,
                              cudaStream_t stream);
 

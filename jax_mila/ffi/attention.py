@@ -45,6 +45,9 @@ def _validate(q, k, v, scale, causal, window, q_offset, kv_offset) -> None:
     if hq % hkv or hq // hkv > MAX_GROUPS:
         _checks.fail(OP, "k", f"Hq={hq} query heads over Hkv={hkv} KV heads is not supported "
                               f"(Hq must be a multiple of Hkv, at most {MAX_GROUPS} per KV head)")
+    if q.shape[1] * (hq // hkv) > np.iinfo(np.int32).max:
+        _checks.fail(OP, "q", f"T * Hq / Hkv = {q.shape[1] * (hq // hkv)} packed rows per KV head "
+                              f"exceed the kernels' int32 row index; got q{list(q.shape)}")
     if scale is not None and not np.isfinite(scale):
         _checks.fail(OP, "scale", f"must be a finite Python float, got {scale!r}")
     if window is not None:

@@ -10,13 +10,17 @@ any size >= 1).
 Supported sizes: K % 128 == 0 (Gemma 4's K: 2816, 3840, 4096, 5376, 8192, 15360, 21504),
 N % 8 == 0; others raise ValueError at trace time (the C++ handler checks again).
 
-Kernels (``kernel=``): "auto" (default) is "mma_sync" everywhere (m16n8k32 FP8 mma.sync, native
-on sm_89 / sm_120; on Hopper ptxas lowers FP8 mma.sync to fp16 HMMA, about half the FP8 rate).
-"wgmma" (sm_90a only: wgmma.m64n256k32 FP8 with the converted weights as the register operand)
-is opt-in: on the H200 it computes the right product but accumulates at the FP8 tensor core's
-reduced accumulation precision (relative Frobenius error 1.6e-3 at K=15360 and ~1e-4 at
-K <= 512, against < 1e-5 for mma_sync), because it does not yet promote partial sums to fp32
-registers (the Hopper kernel work, issue 7).
+Kernels (``kernel=``): "mma_sync" (m16n8k32 FP8 mma.sync: native on sm_89 / sm_120; on Hopper
+ptxas lowers FP8 mma.sync to fp16 HMMA, about half the FP8 rate) and "wgmma" (sm_90a only:
+wgmma.m64n128k32 FP8 with the converted weights as the register operand). "auto" (default) runs
+wgmma on compute capability 9.0 when this build has sm_90a code (JAX_MILA_CUDA_ARCHS includes
+90a, the default), mma_sync otherwise; ``auto_kernel()`` says which one for this process
+(AUTO_WGMMA_ON_SM90 = False turns the wgmma choice off). Hopper's FP8 wgmma accumulates at
+reduced precision (~14 bits, truncated); the wgmma kernel therefore sums every 128-long K chunk
+in a fresh accumulator and adds it into float32 registers (DeepGEMM-style promotion), so the
+error no longer grows with K: relative Frobenius error ~1e-4 at any K (unpromoted it was 1.6e-3
+at K=15360), against < 1e-5 for mma_sync's float32 accumulation. The FP8 product rounding inside
+one wgmma cannot be promoted away.
 
 Where it runs: the CUDA kernel needs FP8 mma (compute capability >= 8.9). On sm_80 GPUs the
 wrapper routes to the pure-JAX reference (jax_mila.reference.w4a8_matmul), as it does on CPU,
@@ -24,16 +28,17 @@ when the kernel is not built, or with JAX_MILA_DISABLE=w4a8_matmul. (The handler
 an Unimplemented error below sm_89, so a mis-routed call fails loudly rather than silently.)
 
 Numerics: every weight code becomes an exact e4m3 value (see jax_mila/quant/mxfp4.py), products
-accumulate in float32, and x_scale[m] * 2**(channel_exp[n] - 133) is applied once in the
-epilogue, so the kernel equals the float32 product of the dequantized operands up to float32
-summation order. Measured on the reference path (CPU) at K=15360 against a float64 product:
-relative Frobenius error 5.6e-8 with out_dtype=float32 and 1.7e-3 with bfloat16 (the bf16
-rounding of the output alone is 1.7e-3). The MXFP4 weight quantization itself costs ~12%
-relative error against unquantized Gaussian weights (e2m1 has one mantissa bit).
+accumulate in float32 (mma_sync; wgmma: see above), and x_scale[m] * 2**(channel_exp[n] - 133)
+is applied once in the epilogue, so the kernel equals the float32 product of the dequantized
+operands up to float32 summation order. Measured on the reference path (CPU) at K=15360 against
+a float64 product: relative Frobenius error 5.6e-8 with out_dtype=float32 and 1.7e-3 with
+bfloat16 (the bf16 rounding of the output alone is 1.7e-3). The MXFP4 weight quantization itself
+costs ~12% relative error against unquantized Gaussian weights (e2m1 has one mantissa bit).
 
 Status (H200, 2026-11-30): the mma_sync kernel passed tests/test_w4a8.py's GPU class (odd M,
-poisoned outputs, exponent-floor exactness, K=15360 accuracy < 1e-5); compute-sanitizer and the
-benchmark have not run on it yet. JAX_MILA_DISABLE=w4a8_matmul routes to the reference.
+poisoned outputs, exponent-floor exactness, K=15360 accuracy < 1e-5). The promoted wgmma kernel
+and "auto" choosing it on sm_90 are NOT yet verified on the GPU (to be confirmed by the next
+GPU round). JAX_MILA_DISABLE=w4a8_matmul routes to the reference.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import numpy as np
 
 from jax_mila import reference
 from jax_mila.ffi import _checks
-from jax_mila.ffi._registry import dispatch
+from jax_mila.ffi._registry import build_info, cuda_capabilities, dispatch
 from jax_mila.quant.mxfp4 import MXFP4Weight
 
 OP = "w4a8_matmul"
@@ -55,6 +60,32 @@ N_MULTIPLE = 8  # 16-byte output rows per store group
 MIN_COMPUTE_CAPABILITY = (8, 9)  # FP8 mma.sync
 OUT_DTYPES = (jnp.bfloat16, jnp.float32)
 KERNELS = {"auto": 0, "mma_sync": 1, "wgmma": 2}  # the handler's `variant` attribute
+# Whether "auto" may run the wgmma kernel on compute capability 9.0 (False: mma_sync everywhere;
+# no rebuild needed, the handler only sees "auto" when this is True).
+AUTO_WGMMA_ON_SM90 = True
+
+
+def _wgmma_built() -> bool:
+    """Whether the extension holds sm_90a code (the wgmma kernel); e.g. "80-real,89-real,90a"."""
+    archs = build_info().get("cuda_archs", "")
+    return any(a.strip().split("-")[0] == "90a" for a in archs.split(","))
+
+
+def auto_kernel() -> str:
+    """The kernel that kernel="auto" runs in this process: "wgmma" when every GPU is compute
+    capability 9.0 and the build has sm_90a code, "mma_sync" otherwise (with several GPU
+    kinds the handler picks per device)."""
+    caps = cuda_capabilities()
+    hopper = bool(caps) and all(c == (9, 0) for c in caps)
+    return "wgmma" if AUTO_WGMMA_ON_SM90 and hopper and _wgmma_built() else "mma_sync"
+
+
+def _variant(kernel: str) -> int:
+    # "auto" reaches the handler as "auto" (it picks wgmma on a 9.0 device) only when the build
+    # has the sm_90a wgmma code: without it a 9.0 device would run a PTX-JIT kernel that traps.
+    if kernel == "auto" and not (AUTO_WGMMA_ON_SM90 and _wgmma_built()):
+        return KERNELS["mma_sync"]
+    return KERNELS[kernel]
 
 
 def _validate(x, x_scale, w, out_dtype, kernel) -> None:
@@ -108,7 +139,7 @@ def w4a8_matmul(x_fp8, x_scale, w: MXFP4Weight, *, out_dtype=jnp.bfloat16, kerne
     m = int(np.prod(lead, dtype=np.int64))
     x2 = x_fp8.reshape(m, x_fp8.shape[-1])
     s1 = x_scale.reshape(m)
-    kernel_fn = functools.partial(_kernel, out_dtype, KERNELS[kernel])
+    kernel_fn = functools.partial(_kernel, out_dtype, _variant(kernel))
     ref = functools.partial(_reference, out_dtype)
     args = (x2, s1, w.packed, w.scales, w.channel_exp)
     y = dispatch(OP, kernel_fn, ref, *args,
