@@ -57,18 +57,6 @@ for b in "${benches[@]}"; do
   [ "${PIPESTATUS[0]}" = 124 ] && echo "   (timed out after ${BENCH_TIMEOUT:-300} s; see bench.log)"
 done
 
-# Optional profile of one kernel launch: NCU_KERNEL (a regex of the kernel name) and NCU_CMD (a
-# script under the repo with its arguments; its first matching launch is profiled).
-if [ -n "${NCU_KERNEL:-}" ] && [ -n "${NCU_CMD:-}" ]; then
-  step "ncu $NCU_KERNEL: $NCU_CMD"
-  read -ra words <<< "$NCU_CMD"
-  (cd /tmp; timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none -k "regex:$NCU_KERNEL" -c 1 \
-     --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-     --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
-     python3 "$REPO/${words[0]}" "${words[@]:1}") > "$OUT/ncu.txt" 2>&1 || echo "   ncu exit $?"
-  grep -E "Duration|Throughput|Pipe|Issue Slots|Stall|Achieved Occupancy|Bank" "$OUT/ncu.txt" | head -25
-fi
-
 # compute-sanitizer runs scripts/sanitize_kernels.py (odd-sized calls of every kernel, poisoned
 # outputs, checked against a CPU oracle), one process per op group and tool, so a crash of the
 # sanitizer in one does not hide the verdict of the others (pytest under the sanitizer crashed
@@ -100,6 +88,17 @@ if [ -n "$SANITIZE" ]; then
     done
   done
   for p in "${pids[@]}"; do wait "$p" || status=1; done
+fi
+
+# Optional profile of one kernel launch: NCU_KERNEL (a regex of the kernel name) and NCU_CMD (a
+# script under the repo with its arguments; its first matching launch is profiled).
+if [ -n "${NCU_KERNEL:-}" ] && [ -n "${NCU_CMD:-}" ]; then
+  step "ncu $NCU_KERNEL: $NCU_CMD"
+  read -ra words <<< "$NCU_CMD"
+  (cd /tmp; timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none -k "regex:$NCU_KERNEL" -c 1 \
+     ${NCU_SECTIONS:---section SpeedOfLight --section WarpStateStats --section SchedulerStats} \
+     python3 "$REPO/${words[0]}" "${words[@]:1}") > "$OUT/ncu.txt" 2>&1 || echo "   ncu exit $?"
+  grep -E "Duration|Throughput|Pipe|Issue Slots|Stall|Achieved Occupancy|Bank" "$OUT/ncu.txt" | head -25
 fi
 
 step summary
