@@ -10,11 +10,10 @@
 //     query heads of one KV head, so a 16:1 layer reads each K/V tile once for all
 //     16 heads (64 rows = 4 positions x 16 heads), not 16 times.
 //   * Q (64 x 512 bf16, 64 KB) stays in shared memory for the whole sweep; K and V
-//     tiles (BN x 512) have one buffer each. Each slice is copied (cp.async) by the
-//     warps that read it, as soon as they are done with it: warp w refills its own V
-//     columns right after its P_j V_j (a whole tile period to land), the 4 warps that
-//     read a K half refill it right after S_j (see Flash512Kernel's kNarrow; the
-//     previous whole-tile copies remain as the "old" variant for A/B timing).
+//     tiles (BN x 512) have one buffer each: V_j is copied (cp.async) while S_j is
+//     computed, K_{j+1} while P_j V_j is. (A "narrow" variant, where each slice is
+//     copied by the warps that read it as soon as they are done with it, measured no
+//     faster; see Flash512Kernel's kNarrow and LaunchVariant.)
 //   * PV: warp w owns the output columns [64w, 64w+64) of all 64 rows: 64x64 fp32 =
 //     128 accumulator registers a thread; every warp reads the full P tile (bf16,
 //     through shared memory) and its own 64 V columns.
@@ -49,14 +48,16 @@
 // the most key tiles start first and the short ones fill the tail.
 // Memory is O(1) beyond the operands: nothing is allocated.
 //
-// Measured, "old" variant (H200, causal, Hq=16, Hkv=1, T=S, scale 1): 213 / 223 / 228 /
+// Measured, default variant (H200, causal, Hq=16, Hkv=1, T=S, scale 1): 213 / 223 / 228 /
 // 240 / 244 TFLOP/s at S = 4K / 8K / 16K / 32K / 64K (XLA: 208 / 205 / 150 / - / -); BN=32 (the
 // A100 shared-memory variant) 193 at 16K. What bounds it, as far as measured: the same
 // kernel with the per-tile K/V copies removed (a timing-only experiment, wrong results)
 // ran 350 TFLOP/s at 16K, so ~1/3 of the time is the K/V feed: a 64-key tile brings
 // 128 KB from L2 for 8.4 MFLOP (64 FLOP/B: ~3.5 TB/s of L2->SM traffic at 228 TFLOP/s)
 // plus 128 KB of shared-memory writes, and with one buffer each for K and V every copy
-// has only one phase (S or PV) to land. Even without copies the kernel runs at about
+// has only one phase (S or PV) to land. Giving every copy a whole tile period to land
+// (the "narrow" variant) did not help (226 vs 231 TFLOP/s at 16K, one run each), so the
+// copies' latency is not what costs: the L2->SM bandwidth is. Even without copies the kernel runs at about
 // half of its shared-memory/MMA issue bounds (~4.3K / ~3.4K clk a tile): the phases are
 // serialized by block barriers and 8 warps (1 block/SM) hide little latency. Larger M
 // tiles do not fit (O is already 128 registers a thread). Next: the Hopper version (TMA
@@ -124,7 +125,7 @@ __device__ __forceinline__ void LoadKvTile(uint32_t dst, const __nv_bfloat16* ba
   }
 }
 
-// kPasses x kRowsPerPass rows of a K or V slice (the "new" variant's narrow copies):
+// kPasses x kRowsPerPass rows of a K or V slice (the "narrow" variant's copies):
 // this thread copies 16 bytes of rows i * kRowsPerPass, i < kPasses, from `src` (its
 // chunk in the slice's first row) to `dst`. `rem` = s - (key of that first row): rows
 // at or past it are zero-filled from `fallback` (never read). Written as `i*step < rem`
@@ -146,10 +147,10 @@ __device__ __forceinline__ void CopyRows(uint32_t dst, const __nv_bfloat16* src,
 // at 255 registers they decide how far ptxas may hoist ldmatrix ahead of the MMAs.
 //
 // kNarrow selects how K and V reach shared memory (both variants compute the same thing):
-//   false ("old"): all 256 threads copy whole K / V tiles. V_j is issued at the top of
+//   false (default): all 256 threads copy whole K / V tiles. V_j is issued at the top of
 //     tile j and must land before P_j V_j (one S phase to land); K_{j+1} is issued
 //     after the S reduction. 4 barriers a tile: block, block, pair, block.
-//   true ("new", default): every copy is issued by exactly the warps that read it.
+//   true ("narrow", opt-in): every copy is issued by exactly the warps that read it.
 //     * V: warp w reads only V[:, 64w:64w+64], so it copies those columns itself
 //       (8 KB for BN=64) right after its own P_j V_j, and waits for them (its own
 //       cp.async group + __syncwarp) before P_{j+1} V_{j+1}: a whole tile period to
@@ -236,7 +237,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     tq[r] = pr < rows_total ? pr / G : p.t - 1;
   }
 
-  // "new" variant copy slices. K: thread gi (0..127) of group wn copies 16-byte chunk
+  // "narrow" variant copy slices. K: thread gi (0..127) of group wn copies 16-byte chunk
   // gi % 64 of rows gi / 64 + 2i of the group's BN/2 keys. V: lane copies chunk lane % 8
   // of warp w's 128-byte column slice, rows lane / 8 + 4i.
   const int gi = (2 * wm + ks) * 32 + lane;
@@ -439,7 +440,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       s_alpha[sr[1]] = alpha[1];
     }
     if constexpr (!kNarrow) px::cp_async_wait<1>();  // V_j landed (K_{j+1} may still fly)
-    // P_j, alpha_j (and in "old", V_j) visible to every warp; and whether any row's max
+    // P_j, alpha_j (and by default, V_j) visible to every warp; and whether any row's max
     // moved (once the running maxima settle, usually none has: the O rescale is skipped).
     const int any_rescale = __syncthreads_or(alpha[0] != 1.f || alpha[1] != 1.f);
     if constexpr (kNarrow) {
@@ -567,21 +568,22 @@ int ForcedKeyTile() {
   return v;
 }
 
-// Developer knob, read once per process: JAX_MILA_FLASH512_VARIANT=old runs the kernel
-// with whole-tile K/V copies (the pre-narrow-copy version, kept for A/B timing on one
-// build); unset or anything else runs "new" (per-warp V, per-group K copies).
-bool UseOldVariant() {
-  static const bool old = [] {
+// Developer knob, read once per process: JAX_MILA_FLASH512_VARIANT=narrow runs the
+// per-warp V / per-group K copy variant. It measured no gain on the H200 (226 vs 231
+// TFLOP/s at S=16K, docs/performance.md), so the whole-tile copies stay the default and
+// the narrow variant stays for A/B timing against the next change.
+bool UseNarrowVariant() {
+  static const bool narrow = [] {
     const char* env = std::getenv("JAX_MILA_FLASH512_VARIANT");
-    return env != nullptr && std::string_view(env) == "old";
+    return env != nullptr && std::string_view(env) == "narrow";
   }();
-  return old;
+  return narrow;
 }
 
 template <int BN, int kSUnroll, int kPvUnroll>
 cudaError_t LaunchVariant(const AttentionParams& p, cudaStream_t stream) {
-  return UseOldVariant() ? LaunchWithKeyTile<BN, kSUnroll, kPvUnroll, false>(p, stream)
-                         : LaunchWithKeyTile<BN, kSUnroll, kPvUnroll, true>(p, stream);
+  return UseNarrowVariant() ? LaunchWithKeyTile<BN, kSUnroll, kPvUnroll, true>(p, stream)
+                            : LaunchWithKeyTile<BN, kSUnroll, kPvUnroll, false>(p, stream);
 }
 
 }  // namespace
