@@ -57,7 +57,8 @@
 // plus 128 KB of shared-memory writes, and with one buffer each for K and V every copy
 // has only one phase (S or PV) to land. Giving every copy a whole tile period to land
 // (the "narrow" variant) did not help (226 vs 231 TFLOP/s at 16K, one run each), so the
-// copies' latency is not what costs: the L2->SM bandwidth is. Even without copies the kernel runs at about
+// copies' latency is likely not what costs; the L2->SM traffic is the next suspect (to be
+// confirmed with ncu's L2 throughput). Even without copies the kernel runs at about
 // half of its shared-memory/MMA issue bounds (~4.3K / ~3.4K clk a tile): the phases are
 // serialized by block barriers and 8 warps (1 block/SM) hide little latency. Larger M
 // tiles do not fit (O is already 128 registers a thread). Next: the Hopper version (TMA
