@@ -5,6 +5,8 @@
                                 [--chunk-size N]
     python -m jax_mila prefill  [same options]
     python -m jax_mila selftest
+    python -m jax_mila bench prefill [--seqs 8192 --backends mila,reference ...]
+    python -m jax_mila bench attention|gemm|quantize [args]   (source checkout only)
     python -m jax_mila convert --model SRC --out DST [--quantize w4a8|none]
 
 prefill / generate take ``--quantize w4a8`` (MXFP4 weights x FP8 activations; a checkpoint
@@ -18,7 +20,8 @@ device memory (2048 tokens where the device reports none) is chunked, a shorter 
 one call.
 
 Without --model the small embedded checkpoint (random weights) is used, so the commands run
-anywhere, CPU included; they print the tokens and the prefill / decode throughput.
+anywhere, CPU included; they print the tokens, the prefill / decode throughput, the time to
+first token and the peak device memory (allocator statistics; not reported on CPU).
 """
 
 from __future__ import annotations
@@ -93,10 +96,13 @@ def _run(args) -> None:
     cap = length + new
     chunking = dict(chunk_size=args.chunk_size, max_cache_len=cap)
     (logits, cache), t_first = _timed(gemma4.prefill, model, ids, progress=True, **chunking)
+    del logits, cache  # one cache alive at a time, so the peak below is one prefill's
     (logits, cache), t_prefill = _timed(gemma4.prefill, model, ids, progress=True, **chunking)
-    chunks = f", chunks of {args.chunk_size}" if args.chunk_size else ""
     print(f"prefill: {length} tokens in {t_prefill * 1e3:.1f} ms = {batch * length / t_prefill:,.0f} "
-          f"tokens/s (first call incl. compile {t_first:.2f} s{chunks})")
+          f"tokens/s (first call incl. compile {t_first:.2f} s, {_chunking(model, batch, length, cap, args)})")
+    print(f"time to first token: {t_prefill * 1e3:.1f} ms (the prefill ends with the first new "
+          f"token's logits)")
+    print(_memory_line(model, cache))
     if new == 0:
         print(f"next token: {int(jnp.argmax(logits[0]))}")
         return
@@ -115,6 +121,40 @@ def _run(args) -> None:
     print(f"generated ids: {out}")
     if tokenizer is not None:
         print(f"generated text: {tokenizer.decode(out)!r}")
+
+
+def _chunking(model, batch, length, cap, args) -> str:
+    from jax_mila.gemma4.generate import default_chunk_size
+
+    if args.chunk_size:
+        return f"chunks of {args.chunk_size}"
+    size = default_chunk_size(model, batch, cap)
+    return f"chunks of {size} (auto)" if length > size else f"one call (auto chunk {size})"
+
+
+def _memory_line(model, cache) -> str:
+    """Peak device memory from the allocator (JAX cannot reset it: it covers the whole process,
+    compiles included), with the weights and the KV cache it holds."""
+    import jax
+
+    from jax_mila.gemma4.random_init import weight_bytes
+
+    weights = weight_bytes(model)
+    cache_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(cache))
+    parts = f"weights {_size(weights)}, KV cache {_size(cache_bytes)}"
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # some backends raise instead of returning None
+        stats = {}
+    if "peak_bytes_in_use" not in stats:
+        return f"peak device memory: n/a on {jax.devices()[0].platform} (no allocator statistics); {parts}"
+    peak = stats["peak_bytes_in_use"]
+    return (f"peak device memory: {_size(peak)} ({parts}, activations+workspace "
+            f"{_size(peak - weights - cache_bytes)}; allocator peak of the process)")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 / 10 else f"{n / 2**20:.2f} MiB"
 
 
 def _quantize_arg(value):
@@ -147,6 +187,34 @@ def _convert(args, parser) -> None:
           f"{summary['bytes_written'] / 2**20:,.1f} MiB")
 
 
+KERNEL_BENCHES = ("attention", "gemm", "quantize")
+
+
+def _bench(args, parser) -> None:
+    """Runs a benchmark.
+
+    prefill: jax_mila.bench.prefill (ships with the package), e.g.
+        python -m jax_mila bench prefill --seqs 8192 --backends mila,reference
+    attention / gemm / quantize: the kernel benchmarks, benchmarks/<name>.py, which live in the
+    source repository only (not installed); run from a source checkout, or run the script."""
+    import subprocess
+
+    import jax_mila
+
+    if args.which == "prefill":
+        from jax_mila.bench import prefill
+
+        prefill.main(args.bench_args)
+        return
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(jax_mila.__file__)))
+    script = os.path.join(repo, "benchmarks", f"{args.which}.py")
+    if not os.path.isfile(script):
+        _fail(parser, f"bench {args.which}: the kernel benchmarks are not installed with the "
+                      f"package; run benchmarks/{args.which}.py from a source checkout of jax_mila "
+                      f"(looked for {script})")
+    sys.exit(subprocess.call([sys.executable, script] + list(args.bench_args)))
+
+
 def _fail(parser, message: str):
     """One line on stderr, exit status 2 (argparse's convention for bad arguments)."""
     parser.exit(2, f"{parser.prog}: error: {message}\n")
@@ -173,6 +241,13 @@ def main(argv=None) -> None:
         p.add_argument("--quantize", choices=("none", "w4a8"), default=None,
                        help="weight format (default: dense, or as stored in a converted checkpoint)")
     sub.add_parser("selftest", help="run each op once against its reference (jax_mila.selftest)")
+    p = sub.add_parser("bench", help="benchmarks: prefill (end to end), or a kernel benchmark",
+                       description=_bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("which", choices=("prefill",) + KERNEL_BENCHES,
+                   help="prefill: Gemma 4 end to end (jax_mila.bench.prefill); the others: "
+                        "benchmarks/<name>.py of a source checkout")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER,
+                   help="passed to the benchmark (e.g. --seqs 8192 --backends mila,reference)")
     p = sub.add_parser("convert", help="write a checkpoint's text decoder with MXFP4 weights")
     p.add_argument("--model", required=True, help="source checkpoint directory (single file or sharded)")
     p.add_argument("--out", required=True, help="output directory (created; must not hold a checkpoint)")
@@ -182,6 +257,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.command == "convert":
         _convert(args, parser)
+        return
+    if args.command == "bench":
+        _bench(args, parser)
         return
     if args.command == "selftest":
         import jax_mila

@@ -74,8 +74,27 @@ QUANTIZABLE_CONFIGS = {
 }
 
 
+# The attention kernels' head dims (256 sliding, 512 global, as 12B/31B) at toy width, so
+# backend="mila" runs the flash-attention kernels on a GPU (every CONFIGS head dim falls back).
+# qk_norm_scale shrinks the q/k norm weights: with unit-RMS q and k at head_dim 512 and scale 1,
+# random scores have std ~sqrt(512) = 23, a softmax so peaked that bf16 rounding of one score
+# flips it (HF itself then sits up to ~4 away from float32); 0.2 gives trained-model-like
+# score magnitudes, so the suite's bf16 tolerances apply unchanged.
+KERNEL_SHAPE_CONFIGS = {
+    "kernel_dims_12b_like": dict(
+        cls="gemma4_unified", vocab_size=97, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=256,
+        global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True,
+        layer_types=[S, S, F, S, F], sliding_window=5, final_logit_softcapping=30.0,
+        qk_norm_scale=0.2),
+}
+
+
 def _spec(name: str) -> dict:
-    return CONFIGS[name] if name in CONFIGS else QUANTIZABLE_CONFIGS[name]
+    for table in (CONFIGS, QUANTIZABLE_CONFIGS, KERNEL_SHAPE_CONFIGS):
+        if name in table:
+            return table[name]
+    raise KeyError(name)
 
 
 def _classes(kind: str):
@@ -91,6 +110,7 @@ def build(name: str, *, seed: int = 0, dtype=torch.float32):
     spec = dict(_spec(name))
     config_cls, model_cls = _classes(spec.pop("cls"))
     spec.pop("flat_config", None), spec.pop("nested", None)
+    qk_norm_scale = spec.pop("qk_norm_scale", None)
     cfg = config_cls(initializer_range=0.1, pad_token_id=0, bos_token_id=2, eos_token_id=1, **spec)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -100,6 +120,10 @@ def build(name: str, *, seed: int = 0, dtype=torch.float32):
         for pname, p in model.named_parameters():
             if "norm" in pname or pname.endswith("scale"):
                 p.mul_(1 + 0.3 * torch.randn(p.shape, generator=g))
+        if qk_norm_scale is not None:
+            for pname, p in model.named_parameters():
+                if pname.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.mul_(qk_norm_scale)
         for bname, b in model.named_buffers():
             if bname.endswith("layer_scalar"):
                 b.copy_(1 + 0.3 * torch.randn(b.shape, generator=g))

@@ -111,9 +111,34 @@ def available() -> dict[str, OpStatus]:
     return {op: status(op) for op in OPS}
 
 
-@functools.cache
-def _warn_once(op: str, reason: str) -> None:
-    log.warning("jax_mila.%s runs on the pure-JAX reference on GPU: %s", op, reason)
+# (op, reason) pairs already reported: each fallback is logged once per process, at trace
+# time, not once per layer or per call.
+_logged_fallbacks: set[tuple[str, str]] = set()
+
+
+def log_fallback(op: str, reason: str, *, instead: str = "the pure-JAX reference") -> bool:
+    """Says once per (op, reason) on the "jax_mila" logger that `op` does not run on its CUDA
+    kernel here and why. WARNING in a process with CUDA devices (the kernels were expected),
+    INFO otherwise (a CPU process always runs the reference). Returns whether it logged."""
+    if (op, reason) in _logged_fallbacks:
+        return False
+    _logged_fallbacks.add((op, reason))
+    level = logging.WARNING if cuda_capabilities() else logging.INFO
+    log.log(level, "jax_mila.%s falls back to %s: %s", op, instead, reason)
+    return True
+
+
+def logged_fallbacks() -> list[tuple[str, str]]:
+    """The (op, reason) fallbacks reported so far in this process."""
+    return sorted(_logged_fallbacks)
+
+
+def reset_fallback_log() -> None:
+    """Forgets which fallbacks were reported (tests)."""
+    _logged_fallbacks.clear()
+
+
+NO_CUDA_DEVICE = "no CUDA device in this process (JAX runs on {platform})"
 
 
 def _varying_axes(x) -> frozenset:
@@ -167,17 +192,20 @@ def dispatch(op: str, kernel_fn: Callable, reference_fn: Callable, *args,
     """Calls `kernel_fn(*args)` when lowering for CUDA and the kernel is usable,
     `reference_fn(*args)` otherwise (CPU, kernel not built, or disabled). `device_ok(cc)`
     says whether a GPU of compute capability `cc` can run the kernel (e.g. enough shared
-    memory); when some device of the process cannot, the call uses the reference and says why
-    once (`device_requirement` is that reason)."""
+    memory); when some device of the process cannot, the call uses the reference
+    (`device_requirement` is the reason). Every fallback (no CUDA device, kernel not built or
+    disabled, device too small) is logged once per (op, reason) when the call is traced."""
+    caps = cuda_capabilities()
+    if not caps:
+        log_fallback(op, NO_CUDA_DEVICE.format(platform=jax.default_backend()))
+        return reference_fn(*args)
     st = status(op, target)
     if not st.kernel:
-        if cuda_capabilities():
-            _warn_once(op, st.reason)
+        log_fallback(op, st.reason)
         return reference_fn(*args)
-    caps = cuda_capabilities()
     if device_ok is not None and not all(device_ok(cc) for cc in caps):
-        _warn_once(op, f"{device_requirement}; this process has GPUs of compute capability "
-                       f"{sorted(set(caps))}")
+        log_fallback(op, f"{device_requirement}; this process has GPUs of compute capability "
+                         f"{sorted(set(caps))}")
         return reference_fn(*args)
     return jax.lax.platform_dependent(*args, cuda=_vary_like_inputs(kernel_fn),
                                       default=reference_fn)

@@ -74,11 +74,14 @@ MIN_CHUNK, MAX_CHUNK = 256, 16384
 ACTIVATION_FRACTION = 0.25  # of the free device memory, for one chunk's activations
 
 
-def default_chunk_size(model: Gemma4ForCausalLM, batch: int, max_len: int) -> int:
+def default_chunk_size(model: Gemma4ForCausalLM, batch: int, max_len: int, *,
+                       memory_limit: int | None = None) -> int:
     """Tokens per chunk when ``chunk_size`` is None.
 
     With device memory figures (``memory_stats()`` bytes_limit / bytes_in_use, e.g. on GPU):
-    free = limit - in use - the KV cache about to be allocated; the chunk is the largest power
+    free = limit - in use - the KV cache about to be allocated, where limit is the smaller of
+    bytes_limit and ``memory_limit`` (bytes; a budget the whole prefill should stay under,
+    e.g. the benchmark's 12 GiB on an H200 that has far more); the chunk is the largest power
     of two whose activations fit in ACTIVATION_FRACTION of that, where one token of one
     sequence costs about 16 values of the widest layer activation (hidden, MLP gate+up, all
     query heads, routed experts' gate+up) in the model's dtype; clamped to [MIN_CHUNK,
@@ -99,7 +102,8 @@ def default_chunk_size(model: Gemma4ForCausalLM, batch: int, max_len: int) -> in
     if cfg.enable_moe_block:
         widths.append(2 * cfg.top_k_experts * cfg.moe_intermediate_size)
     per_token = 16 * max(widths) * itemsize * batch
-    free = stats["bytes_limit"] - stats["bytes_in_use"] - cache_bytes
+    limit = stats["bytes_limit"] if memory_limit is None else min(stats["bytes_limit"], memory_limit)
+    free = limit - stats["bytes_in_use"] - cache_bytes
     tokens = max(int(free * ACTIVATION_FRACTION) // per_token, 1)
     return max(MIN_CHUNK, min(MAX_CHUNK, 1 << (tokens.bit_length() - 1)))
 

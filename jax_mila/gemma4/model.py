@@ -136,13 +136,17 @@ class Gemma4ForCausalLM(nnx.Module):
         return logits
 
     def hidden_states(self, input_ids, *, mode: str = "full", cache: KVCache | None = None,
-                      max_len: int = 0, valid=None):
+                      max_len: int = 0, valid=None, return_layers: bool = False):
         """Runs the decoder stack. Returns (hidden [B, T, H] before the final norm, new cache).
 
         mode "full": no cache. "prefill": positions from 0, returns a new KVCache with capacity
         ``max_len``. "decode": one token per sequence at position ``cache.length``. "chunk": a
         prefill chunk at positions cache.length + arange(T) whose first ``valid`` (traced)
-        tokens are real; the returned cache's length grows by ``valid``."""
+        tokens are real; the returned cache's length grows by ``valid``.
+
+        ``return_layers=True`` appends a third result: every decoder layer's output [B, T, H]
+        stacked to [L, B, T, H] (HF's output_hidden_states without the embedding), so the
+        fidelity check can show how errors compound layer by layer."""
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} (supported: {MODES})")
         cfg = self.config
@@ -157,7 +161,7 @@ class Gemma4ForCausalLM(nnx.Module):
         ple = self.per_layer_inputs(input_ids, h) if cfg.has_ple else None
         tables = {lt: rope_tables(spec, positions, self.dtype) for lt, spec in cfg.rope.items()}
         sources = set(cfg.kv_sources.values()) if cfg.num_kv_shared_layers else set()
-        shared, keys, values = {}, [], []
+        shared, keys, values, layer_outputs = {}, [], [], []
         for i, layer in enumerate(self.layers):
             spec = layer.spec
             entry = (cache.keys[i], cache.values[i]) if cached and not spec.is_kv_shared else None
@@ -167,12 +171,15 @@ class Gemma4ForCausalLM(nnx.Module):
                 shared=shared.get(spec.layer_type) if spec.is_kv_shared else None)
             if i in sources:
                 shared[spec.layer_type] = kv_view
+            if return_layers:
+                layer_outputs.append(h)
             keys.append(new_entry[0] if new_entry is not None else None)
             values.append(new_entry[1] if new_entry is not None else None)
-        if mode == "full":
-            return h, None
-        return h, KVCache(keys=tuple(keys), values=tuple(values), length=offset + valid,
-                       max_len=max_len)
+        new_cache = None if mode == "full" else KVCache(
+            keys=tuple(keys), values=tuple(values), length=offset + valid, max_len=max_len)
+        if return_layers:
+            return h, new_cache, jnp.stack(layer_outputs)
+        return h, new_cache
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         """Softcapped logits [B, S, vocab] (dtype of the model) for int32 ids [B, S]."""

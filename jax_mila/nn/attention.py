@@ -9,39 +9,49 @@ Backends:
 - "reference": always jax_mila.reference.flash_attention (float32 math from the inputs).
 - "mila" / "auto": jax_mila.ffi.flash_attention, which runs the CUDA kernel where it is built
   and the reference elsewhere. The kernels exist only for bf16 and head dims 256 / 512, so any
-  other call (tiny test configs, float32 models) falls back to the reference, logging once
-  per reason why.
+  other call (tiny test configs, float32 models) falls back to the reference, logging why
+  once per reason (jax_mila.ffi._registry.log_fallback).
 """
 
 from __future__ import annotations
 
-import logging
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jax_mila import ffi, reference
+from jax_mila.ffi import attention as ffi_attention
+from jax_mila.ffi._registry import log_fallback
 from jax_mila.nn.backend import check_backend
 
-log = logging.getLogger("jax_mila")
-
-KERNEL_HEAD_DIMS = (256, 512)
+KERNEL_HEAD_DIMS = ffi_attention.HEAD_DIMS
 KERNEL_DTYPES = (jnp.bfloat16,)
-KERNEL_MAX_GROUPS = 16
-
-_logged_fallbacks: set[str] = set()
+KERNEL_MAX_GROUPS = ffi_attention.MAX_GROUPS
 
 
-def _kernel_unsupported_reason(q: jax.Array, k: jax.Array) -> str | None:
+def kernel_unsupported_reason(q: jax.Array, k: jax.Array, v: jax.Array,
+                              window: int | None) -> str | None:
+    """Why jax_mila.ffi.flash_attention cannot take this call, or None. The reasons name the
+    configuration (head dim, dtype, head grouping, window), never the sequence length, so a
+    model logs each once, not once per prompt length. Everything the ffi wrapper rejects with
+    a ValueError for a well-formed call is caught here first."""
     d = q.shape[-1]
     if d not in KERNEL_HEAD_DIMS:
-        return f"head_dim={d} (kernels exist for {KERNEL_HEAD_DIMS})"
-    if q.dtype not in KERNEL_DTYPES or k.dtype not in KERNEL_DTYPES:
-        return f"dtype {q.dtype} (kernels take bfloat16)"
+        return f"head_dim={d} (the kernels take head_dim in {KERNEL_HEAD_DIMS})"
+    dtypes = {jnp.dtype(x.dtype).name for x in (q, k, v)}
+    if any(jnp.dtype(x.dtype) not in KERNEL_DTYPES for x in (q, k, v)):
+        return f"dtype {'/'.join(sorted(dtypes))} (the kernels take bfloat16 q, k and v)"
+    if k.shape[-1] != d or v.shape != k.shape:
+        return (f"k/v head_dim {k.shape[-1]}/{v.shape[-1]} differ from q's {d} (the kernels "
+                "need one head_dim and k, v of one shape)")
     hq, hkv = q.shape[2], k.shape[2]
     if hq % hkv or hq // hkv > KERNEL_MAX_GROUPS:
-        return f"{hq} query heads over {hkv} KV heads (kernels take up to {KERNEL_MAX_GROUPS} per KV head)"
+        return (f"{hq} query heads over {hkv} KV heads (the kernels take a multiple of the KV "
+                f"heads, at most {KERNEL_MAX_GROUPS} per KV head)")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer))
+                               or window < 1):
+        return f"window={window!r} (the kernels take None or an int >= 1)"
     return None
 
 
@@ -57,10 +67,10 @@ class Attention(nnx.Module):
         kwargs = dict(scale=self.scale, causal=True, window=window, q_offset=q_offset,
                       kv_offset=kv_offset)
         if self.backend != "reference":
-            reason = _kernel_unsupported_reason(q, k)
+            reason = kernel_unsupported_reason(q, k, v, window)
             if reason is None:
+                # The ffi layer logs its own fallbacks (no GPU, kernel not built or disabled,
+                # D=512 on a GPU without the shared memory).
                 return ffi.flash_attention(q, k, v, **kwargs)
-            if reason not in _logged_fallbacks:
-                _logged_fallbacks.add(reason)
-                log.info("jax_mila.nn.Attention: using the reference attention for %s", reason)
+            log_fallback(ffi_attention.OP, reason)
         return reference.flash_attention(q, k, v, **kwargs)

@@ -11,7 +11,9 @@ and the model never changes with it:
   weight). The forward pass quantizes the activations per row to FP8 e4m3
   (quantize_activations) and runs w4a8_matmul (FP8 x MXFP4 on tensor cores, float32
   accumulation). Shapes the kernels cannot take (in_features % 128 or out_features % 8
-  nonzero) stay dense, with one log line per shape on the "jax_mila" logger.
+  nonzero) stay dense, with one log line per shape on the "jax_mila" logger; the W4A8 ops
+  themselves log (once per reason) when they run on the reference (no GPU, kernel not built,
+  JAX_MILA_DISABLE, GPU below sm_89).
 
 ``MXFP4Param`` is its own nnx.Variable type (not nnx.Param), so optimizers and anything else
 filtering on nnx.Param never see the integer codes.
@@ -19,24 +21,19 @@ filtering on nnx.Param never see the integer codes.
 
 from __future__ import annotations
 
-import logging
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jax_mila import ffi, reference
+from jax_mila.ffi._registry import log_fallback
 from jax_mila.nn.backend import check_backend
 from jax_mila.quant.mxfp4 import MXFP4Weight, quantize_mxfp4
-
-log = logging.getLogger("jax_mila")
 
 QUANTIZE_MODES = (None, "w4a8")
 W4A8_K_MULTIPLE = ffi.w4a8.K_MULTIPLE  # 128: MXFP4 kernel-order group / the kernel's K tile
 W4A8_N_MULTIPLE = ffi.w4a8.N_MULTIPLE  # 8
 MXFP4_FIELDS = ("packed", "scales", "channel_exp")  # MXFP4Weight's fields, in order
-
-_logged_fallbacks: set[tuple[int, int]] = set()  # shapes already reported as staying dense
 
 
 class MXFP4Param(nnx.Variable):
@@ -62,12 +59,10 @@ def w4a8_unsupported_reason(in_features: int, out_features: int) -> str | None:
 
 
 def _log_fallback(in_features: int, out_features: int, reason: str) -> None:
-    if (in_features, out_features) in _logged_fallbacks:
-        return
-    _logged_fallbacks.add((in_features, out_features))
-    log.info("quantize='w4a8': Linear %d -> %d stays dense (%s; the W4A8 kernel needs "
-             "in %% %d == 0 and out %% %d == 0)", in_features, out_features, reason,
-             W4A8_K_MULTIPLE, W4A8_N_MULTIPLE)
+    # Once per shape (the reason names it), on a GPU as a warning (log_fallback).
+    log_fallback(ffi.w4a8.OP, f"Linear {in_features} -> {out_features} stays dense ({reason}; "
+                              f"the W4A8 kernel needs in % {W4A8_K_MULTIPLE} == 0 and out % "
+                              f"{W4A8_N_MULTIPLE} == 0)", instead="a dense weight")
 
 
 class Linear(nnx.Module):

@@ -1,0 +1,471 @@
+"""End-to-end Gemma 4 prefill: tokens/s, peak device memory and where the time goes.
+
+    python3 benchmarks/prefill.py [--model 12b] [--seqs 4096,8192,16384,32768,65536]
+        [--backends mila,reference,transformers] [--chunk-size 4096|auto] [--memory-budget-gib 12]
+        [--reps 3] [--embed-dtype bfloat16|float8_e4m3fn] [--no-profile]
+    (also: python -m jax_mila bench prefill [same options])
+
+Model: ``--model`` is a model card ("12b", "embedded", ...) or a directory with config.json;
+random weights made on the device (jax_mila.gemma4.random_init: MXFP4 linears, bf16 or FP8
+embedding). Backends, each in its own process, one after the other (so each has the device
+to itself and the allocator's peak belongs to it alone):
+- mila: ``backend="auto"`` (the kernels on a GPU), W4A8 linears;
+- reference: ``backend="reference"`` (XLA attention / dots), the same W4A8 weights;
+- transformers: HF Gemma4(Unified)ForCausalLM from the same config.json, bf16 weights,
+  attn_implementation="sdpa", ``model(ids, use_cache=True, logits_to_keep=1)``; on CUDA only
+  (``--transformers-device cpu`` to run it on CPU, for tiny configs). Skipped, with the
+  reason, when torch / transformers are missing.
+
+Per length (ascending): one first call (compile included: "first"), --warmup more, then --reps
+timed calls, each a separate ``gemma4.prefill`` synchronised at its end (median reported;
+time to first token = that prefill time, the logits of the last position are its output).
+Every JAX call is dispatched separately (no batching of runs into one program).
+Chunked prefill with one chunk size for all lengths (``--chunk-size``, default 4096; "auto":
+``default_chunk_size`` for the longest length under --memory-budget-gib), min(chunk, length).
+
+Memory: the allocator's ``peak_bytes_in_use`` (torch: max_memory_allocated), which JAX cannot
+reset; the lengths run in ascending order with the same chunk, so each step's peak is at
+least the previous one's and the reading after a length is that length's peak (a reading
+equal to the previous one is marked as an upper bound). It includes the first call's compile
+(XLA autotuning scratch). Breakdown: weights = bytes of the model's arrays, KV cache = bytes
+of the cache prefill returns, activations/workspace = peak - weights - cache.
+
+Op split (--profile, default on): one more prefill under jax.profiler; GPU kernel time by
+name (jax_mila.bench.trace: flash d512 = global attention, d256 = local, w4a8 / activation
+quantize = the linears, XLA gemm, other). Not available on CPU.
+
+Prints the tables last; writes everything to $OUT/prefill.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+GiB = 2**30
+BACKENDS = ("mila", "reference", "transformers")
+DEFAULT_SEQS = (4096, 8192, 16384, 32768, 65536)
+# A fixed default chunk, not default_chunk_size: its estimate (16 values of the widest
+# activation per token, a quarter of the free memory) picks 512 for 12B under 12 GiB, far
+# below what fits; the measured activations/workspace at this chunk are what to calibrate
+# it with. Each worker prints what auto would pick.
+DEFAULT_CHUNK = 4096
+RESULT = "RESULT "  # worker -> parent: one JSON object per line after this prefix
+
+
+# ---------------------------------------------------------------------------------- workers
+
+def _emit(row: dict) -> None:
+    print(RESULT + json.dumps(row), flush=True)
+
+
+def _is_oom(e: BaseException) -> bool:
+    text = f"{type(e).__name__} {e}"
+    return any(s in text for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OutOfMemory"))
+
+
+def _jax_worker(spec: dict) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jax_mila.bench import trace as trace_mod
+    from jax_mila.gemma4 import random_init
+
+    # The module, not the function of the same name that jax_mila.gemma4 exports.
+    generate = importlib.import_module("jax_mila.gemma4.generate")
+
+    dev = jax.devices()[0]
+
+    def peak():
+        stats = dev.memory_stats() or {}
+        return stats.get("peak_bytes_in_use")
+
+    backend = "auto" if spec["backend"] == "mila" else "reference"
+    t0 = time.perf_counter()
+    model = random_init.random_model(spec["model"], backend=backend, quantize=spec["quantize"],
+                                     embed_dtype=spec["embed_dtype"], seed=spec["seed"])
+    jax.block_until_ready(nnx.state(model))
+    weights, init_peak = random_init.weight_bytes(model), peak()
+    print(f"{spec['backend']}: model built on {dev} in {time.perf_counter() - t0:.1f} s, "
+          f"weights {_gib(weights)}", flush=True)
+    seqs = sorted(spec["seqs"])
+    auto = generate.default_chunk_size(model, 1, seqs[-1], memory_limit=int(spec["memory_budget_gib"] * GiB))
+    chunk = spec["chunk_size"] or auto
+    print(f"{spec['backend']}: chunk {chunk} (default_chunk_size under {spec['memory_budget_gib']} "
+          f"GiB for {seqs[-1]} tokens: {auto})", flush=True)
+    rng = np.random.default_rng(spec["seed"])
+    previous_peak = init_peak
+    for length in seqs:
+        row = dict(backend=spec["backend"], seq=length, chunk=min(chunk, length), weights_bytes=weights,
+                   init_peak_bytes=init_peak, device=str(dev))
+        ids = jnp.asarray(rng.integers(3, model.config.vocab_size, (1, length), dtype=np.int32))
+
+        def run():
+            out = generate.prefill(model, ids, chunk_size=row["chunk"])
+            jax.block_until_ready(out)
+            return out
+
+        try:
+            t = time.perf_counter()
+            out = run()
+            row["first_s"] = time.perf_counter() - t
+            row["cache_bytes"] = sum(int(x.nbytes) for x in jax.tree.leaves(out[1]))
+            row["finite"] = bool(jnp.all(jnp.isfinite(out[0].astype(jnp.float32))))
+            del out  # never two caches alive at once: the peak is one prefill's
+            for _ in range(spec["warmup"]):
+                run()
+            times = []
+            for _ in range(spec["reps"]):
+                t = time.perf_counter()
+                out = run()
+                times.append(time.perf_counter() - t)
+                del out
+            row["times_s"] = times
+            row["median_s"] = statistics.median(times)
+            row["tokens_per_s"] = length / row["median_s"]
+            p = peak()
+            if p is not None:
+                row["peak_bytes"] = p
+                row["peak_is_upper_bound"] = previous_peak is not None and p <= previous_peak
+                row["activations_bytes"] = p - weights - row["cache_bytes"]
+                row["activation_bytes_per_token"] = row["activations_bytes"] / row["chunk"]
+                previous_peak = p
+            if spec["profile"]:
+                row["split_ms"], row["split_note"] = _profile(run, trace_mod)
+            row["status"] = "ok"
+        except Exception as e:  # noqa: BLE001 -- reported per point, the run goes on
+            row["status"] = "OOM" if _is_oom(e) else f"error: {type(e).__name__}: {str(e)[:300]}"
+        _emit(row)
+
+
+def _profile(run, trace_mod):
+    """(kernel ms by bucket, note) of one prefill under jax.profiler."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                del_me = run()
+                del del_me
+        except Exception as e:  # noqa: BLE001 -- the profiler is optional
+            return None, f"profiler failed: {type(e).__name__}: {str(e)[:200]}"
+        path = trace_mod.find_trace(d)
+        if path is None:
+            return None, "no trace file written"
+        split = trace_mod.split_by_op(path)
+    if split is None:
+        return None, "no device kernels in the trace (CPU run, or the profiler saw no GPU)"
+    return split, "GPU kernel time by name from jax.profiler (one extra prefill)"
+
+
+def _hf_model(config_path: str, device: str):
+    import torch
+    import transformers
+
+    with open(config_path) as f:
+        raw = json.load(f)
+    text = dict(raw.get("text_config", raw))
+    kind = text.pop("model_type", "gemma4_text")
+    if kind.startswith("gemma4_unified"):
+        config_cls, model_cls = transformers.Gemma4UnifiedTextConfig, transformers.Gemma4UnifiedForCausalLM
+    else:
+        config_cls, model_cls = transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM
+    for key in ("_comment", "architectures", "dtype", "torch_dtype"):
+        text.pop(key, None)
+    cfg = config_cls(**text)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the device: no fp32 copy
+    try:
+        with torch.device(device):
+            model = model_cls(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    return model.to(torch.bfloat16).eval(), cfg
+
+
+def _torch_worker(spec: dict) -> None:
+    import torch
+
+    base = {"backend": "transformers"}
+    device = "cuda" if torch.cuda.is_available() else spec["transformers_device"]
+    if device == "cuda" and not torch.cuda.is_available():
+        for length in spec["seqs"]:
+            _emit(dict(base, seq=length, status="skipped: torch.cuda not available"))
+        return
+    from jax_mila.gemma4.random_init import _config_path
+
+    t0 = time.perf_counter()
+    model, cfg = _hf_model(_config_path(spec["model"]), device)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights += sum(b.numel() * b.element_size() for b in model.buffers())
+    print(f"transformers: model built on {device} in {time.perf_counter() - t0:.1f} s, "
+          f"weights {_gib(weights)}", flush=True)
+    gen = torch.Generator().manual_seed(spec["seed"])
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for length in sorted(spec["seqs"]):
+        row = dict(base, seq=length, weights_bytes=weights, device=device)
+        ids = torch.randint(3, cfg.vocab_size, (1, length), generator=gen).to(device)
+
+        def run():
+            with torch.inference_mode():
+                out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            sync()
+            return out
+
+        try:
+            if device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            t = time.perf_counter()
+            out = run()
+            row["first_s"] = time.perf_counter() - t
+            row["cache_bytes"] = _hf_cache_bytes(out.past_key_values)
+            row["finite"] = bool(torch.isfinite(out.logits.float()).all())
+            del out
+            for _ in range(spec["warmup"]):
+                run()
+            times = []
+            for _ in range(spec["reps"]):
+                t = time.perf_counter()
+                out = run()
+                times.append(time.perf_counter() - t)
+                del out
+            row["times_s"], row["median_s"] = times, statistics.median(times)
+            row["tokens_per_s"] = length / row["median_s"]
+            if device == "cuda":
+                row["peak_bytes"] = torch.cuda.max_memory_allocated()
+                if row["cache_bytes"] is not None:
+                    row["activations_bytes"] = row["peak_bytes"] - weights - row["cache_bytes"]
+            row["status"] = "ok"
+        except Exception as e:  # noqa: BLE001 -- reported per point
+            row["status"] = "OOM" if _is_oom(e) else f"error: {type(e).__name__}: {str(e)[:300]}"
+        _emit(row)
+
+
+def _hf_cache_bytes(cache) -> int | None:
+    try:
+        layers = getattr(cache, "layers", None)
+        if layers is not None:
+            tensors = [t for layer in layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))]
+        else:
+            tensors = [t for kv in cache for t in kv]
+        return sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "numel"))
+    except Exception:  # noqa: BLE001 -- the cache classes change between versions
+        return None
+
+
+# ----------------------------------------------------------------------------------- parent
+
+def _run_worker(spec: dict, timeout: float) -> list[dict]:
+    """Runs one backend in a child process; returns its rows (missing lengths marked)."""
+    import jax_mila
+
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with nothing held back
+    root = os.path.dirname(os.path.dirname(os.path.abspath(jax_mila.__file__)))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd = [sys.executable, "-m", "jax_mila.bench.prefill", "--worker", json.dumps(spec)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    rows, tail = [], []
+    try:
+        for line in proc.stdout:
+            if line.startswith(RESULT):
+                row = json.loads(line[len(RESULT):])
+                rows.append(row)
+                print(f"  {_summary(row)}", flush=True)
+            else:
+                tail = (tail + [line.rstrip()])[-5:]
+                if line.startswith(spec["backend"]) or "Traceback" in line:
+                    print(f"  {line.rstrip()}", flush=True)
+        proc.wait()
+        if proc.returncode:
+            print("  " + "\n  ".join(tail), flush=True)
+    finally:
+        timer.cancel()
+    done = {r["seq"] for r in rows}
+    timed_out = proc.returncode is not None and proc.returncode < 0
+    why = f"timed out after {timeout:.0f} s" if timed_out else f"worker exited {proc.returncode}"
+    for length in spec["seqs"]:
+        if length not in done:
+            rows.append(dict(backend=spec["backend"], seq=length,
+                             status=f"not run ({why}): {' | '.join(tail[-2:])[:300]}"))
+    return rows
+
+
+def _summary(row: dict) -> str:
+    head = f"{row['backend']:>12} {row['seq']:>6}"
+    if row.get("status") != "ok":
+        return f"{head}: {row.get('status')}"
+    peak = f", peak {_gib(row.get('peak_bytes'))}" if row.get("peak_bytes") else ""
+    return (f"{head}: {row['tokens_per_s']:,.0f} tok/s (median {row['median_s'] * 1e3:.1f} ms of "
+            f"{len(row['times_s'])}; first call {row['first_s']:.1f} s){peak}")
+
+
+def _gib(x) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x / GiB:.2f} GiB" if abs(x) >= GiB / 10 else f"{x / 2**20:.2f} MiB"
+
+
+def _table(header, rows) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+
+
+def report(rows: list[dict], backends: list[str], seqs: list[int]) -> str:
+    """The three markdown tables: throughput, memory breakdown, op split."""
+    by = {(r["backend"], r["seq"]): r for r in rows}
+
+    def cell(b, s):
+        r = by.get((b, s))
+        if r is None:
+            return "-"
+        if r.get("status") != "ok":
+            return r.get("status", "?").split(":")[0]
+        return f"{r['tokens_per_s']:,.0f}"
+
+    header = ["seq"] + [f"{b} tok/s" for b in backends]
+    ratios = [(a, b) for a, b in (("mila", "reference"), ("mila", "transformers"))
+              if a in backends and b in backends]
+    header += [f"{a}/{b}" for a, b in ratios]
+    out_rows = []
+    for s in seqs:
+        line = [s] + [cell(b, s) for b in backends]
+        for a, b in ratios:
+            ra, rb = by.get((a, s), {}), by.get((b, s), {})
+            ok = ra.get("status") == "ok" and rb.get("status") == "ok"
+            line.append(f"{ra['tokens_per_s'] / rb['tokens_per_s']:.2f}x" if ok else "-")
+        out_rows.append(line)
+    text = ["Prefill throughput (median; 1 sequence)", _table(header, out_rows), ""]
+
+    mem = []
+    for b in backends:
+        for s in seqs:
+            r = by.get((b, s))
+            if r is None or r.get("status") != "ok":
+                continue
+            bound = " (<=)" if r.get("peak_is_upper_bound") else ""
+            mem.append([b, s, r.get("chunk", "-"), f"{r['median_s'] * 1e3:.1f}", f"{r['first_s']:.1f}",
+                        _gib(r.get("peak_bytes")) + bound, _gib(r.get("weights_bytes")),
+                        _gib(r.get("cache_bytes")), _gib(r.get("activations_bytes")),
+                        "n/a" if r.get("activations_bytes") is None or not r.get("chunk")
+                        else f"{r['activations_bytes'] / r['chunk'] / 1024:.0f}"])
+    text += ["Time to first token and peak device memory (allocator statistics)",
+             _table(["backend", "seq", "chunk", "TTFT ms", "first call s", "peak", "weights",
+                     "KV cache", "activations+workspace", "per chunk token KiB"], mem), ""]
+
+    from jax_mila.bench.trace import BUCKET_NAMES
+
+    split, notes = [], set()
+    for b in backends:
+        for s in seqs:
+            r = by.get((b, s), {})
+            if r.get("split_ms"):
+                ms = r["split_ms"]
+                split.append([b, s, f"{ms['total']:.1f}"] + [
+                    f"{ms[k]:.1f} ({100 * ms[k] / max(ms['total'], 1e-9):.0f}%)" for k in BUCKET_NAMES])
+            elif r.get("split_note"):
+                notes.add(r["split_note"])
+    if split:
+        text += ["GPU kernel time by op, ms per prefill (share of kernel time)",
+                 _table(["backend", "seq", "kernels"] + list(BUCKET_NAMES), split)]
+    for n in sorted(notes):
+        text.append(f"op split: {n}")
+    return "\n".join(text)
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="benchmarks/prefill.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="12b", help="model card name or directory with config.json (default 12b)")
+    p.add_argument("--seqs", default=",".join(map(str, DEFAULT_SEQS)), help="prompt lengths, comma-separated")
+    p.add_argument("--backends", default=",".join(BACKENDS), help=f"subset of {','.join(BACKENDS)}")
+    p.add_argument("--chunk-size", default=str(DEFAULT_CHUNK),
+                   help=f"tokens per prefill chunk, or auto (default_chunk_size under "
+                        f"--memory-budget-gib; default {DEFAULT_CHUNK})")
+    p.add_argument("--memory-budget-gib", type=float, default=12.0,
+                   help="device memory --chunk-size auto plans for (default 12)")
+    p.add_argument("--reps", type=int, default=3, help="timed runs per point (default 3)")
+    p.add_argument("--warmup", type=int, default=0, help="untimed runs after the first call (default 0)")
+    p.add_argument("--quantize", choices=("w4a8", "none"), default="w4a8", help="linears (default w4a8)")
+    p.add_argument("--embed-dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16")
+    p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the op split")
+    p.add_argument("--transformers-device", choices=("cuda", "cpu"), default="cuda",
+                   help="where transformers runs when torch has no CUDA (default: skip it)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per backend (default 900)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        args.seqs = sorted({int(s) for s in args.seqs.split(",") if s.strip()})
+        args.chunk_size = None if args.chunk_size == "auto" else int(args.chunk_size)
+    except ValueError as e:
+        p.error(f"--seqs / --chunk-size: {e}")
+    if not args.seqs or min(args.seqs) < 1:
+        p.error(f"--seqs must be positive lengths, got {args.seqs}")
+    if args.chunk_size is not None and args.chunk_size < 1:
+        p.error(f"--chunk-size must be >= 1 or auto, got {args.chunk_size}")
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    bad = [b for b in args.backends if b not in BACKENDS]
+    if bad or not args.backends:
+        p.error(f"--backends: {bad or 'empty'} (supported: {','.join(BACKENDS)})")
+    if args.reps < 1 or args.warmup < 0:
+        p.error(f"--reps must be >= 1 and --warmup >= 0, got {args.reps}, {args.warmup}")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--worker"]:
+        spec = json.loads(argv[1])
+        (_torch_worker if spec["backend"] == "transformers" else _jax_worker)(spec)
+        return []
+    args = _parse(argv)
+    from jax_mila.gemma4.random_init import _config_path
+
+    try:
+        config = _config_path(args.model)
+    except (FileNotFoundError, OSError) as e:
+        sys.exit(f"--model {args.model}: {e}")
+    print(f"prefill benchmark: model {args.model} ({config}), seqs {args.seqs}, backends "
+          f"{args.backends}, chunk {args.chunk_size or 'auto'}, reps {args.reps}", flush=True)
+    rows = []
+    for backend in args.backends:
+        if backend == "transformers":
+            missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+            if missing:
+                rows += [dict(backend=backend, seq=s, status=f"skipped: {', '.join(missing)} not installed")
+                         for s in args.seqs]
+                continue
+        spec = dict(backend=backend, model=args.model, seqs=args.seqs, chunk_size=args.chunk_size,
+                    memory_budget_gib=args.memory_budget_gib, reps=args.reps, warmup=args.warmup,
+                    quantize=None if args.quantize == "none" else args.quantize,
+                    embed_dtype=args.embed_dtype, profile=args.profile, seed=args.seed,
+                    transformers_device=args.transformers_device)
+        t = time.perf_counter()
+        rows += _run_worker(spec, args.timeout)
+        print(f"  {backend}: {time.perf_counter() - t:.0f} s", flush=True)
+    print()
+    print(report(rows, args.backends, args.seqs))
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "prefill.json"), "w") as f:
+            json.dump(dict(args=vars(args), rows=rows), f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

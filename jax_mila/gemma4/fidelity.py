@@ -1,0 +1,293 @@
+"""Fidelity of the kernel path against the reference path on the same weights.
+
+    python3 scripts/fidelity.py --model 12b --tokens 8192          # GPU: the 12B shapes at 8K
+    python3 scripts/fidelity.py --model tiny --tokens 64           # CPU smoke run (the test)
+
+Three checks, one table and one JSON file (``--out``, default $OUT/fidelity.json):
+- final logits of a full forward over ``--tokens`` random tokens: cosine similarity per
+  position (mean, min), top-1 agreement, max |error|, relative Frobenius error;
+- every decoder layer's output: relative Frobenius error against the reference, so it shows
+  whether the error compounds with depth or stays at the bf16 level;
+- the last logits of a chunked ``prefill`` on the kernel path against the reference's full
+  forward, and greedy ``generate`` continuing from a kernel prefill against the reference
+  path's greedy tokens on the embedded checkpoint (W4A8 linears: its head dims, 32 and 64,
+  have no attention kernel, so attention falls back there and says so in the log).
+
+The reference model is the kernel model with every module's ``backend`` set to "reference"
+(``with_backend``): the weights are the same arrays, so any difference is the kernels'.
+On a machine without the kernels (CPU) both paths are the reference and every error is 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_mila.gemma4.generate import generate, prefill
+from jax_mila import ffi
+from jax_mila.ffi import _registry
+from jax_mila.gemma4.config import Gemma4Config
+from jax_mila.gemma4.model import Gemma4ForCausalLM
+from jax_mila.gemma4.paths import embedded_checkpoint, model_card
+
+
+SIZES = ("tiny", "12b", "e2b", "e4b", "26b-a4b", "31b")
+
+
+# ---- models --------------------------------------------------------------------------------
+
+def model_config(size: str, layers: int | None = None) -> Gemma4Config:
+    """The text config of a released size ("tiny": the embedded checkpoint's), optionally cut
+    to its first ``layers`` layers (the layer pattern is kept, so 12 layers of 12B hold two
+    global layers)."""
+    path = embedded_checkpoint() / "config.json" if size == "tiny" else model_card(size)
+    with open(path) as f:
+        raw = json.load(f)
+    if layers is not None:
+        text = raw.get("text_config", raw)
+        if not 1 <= layers <= text["num_hidden_layers"]:
+            raise ValueError(f"--layers must be in [1, {text['num_hidden_layers']}], got {layers}")
+        text["num_hidden_layers"] = layers
+        text["layer_types"] = text["layer_types"][:layers]
+        text["num_kv_shared_layers"] = 0
+        if "per_layer_config" in text:
+            text["per_layer_config"] = {k: v for k, v in text["per_layer_config"].items()
+                                        if int(k) < layers}
+    return Gemma4Config.from_dict(raw)
+
+
+def random_model(cfg: Gemma4Config, *, dtype=jnp.bfloat16, quantize="w4a8", backend="mila",
+                 seed: int = 0) -> Gemma4ForCausalLM:
+    """A random-weight model of ``cfg``, built on the default device.
+
+    Uses jax_mila.gemma4.random_init (weights generated on the GPU without a float32 copy of
+    the model) where it exists, else the modules' own initializers inside one nnx.jit."""
+    try:
+        from jax_mila.gemma4 import random_init  # written alongside benchmarks/prefill.py
+    except ImportError:
+        random_init = None
+    if random_init is not None and hasattr(random_init, "random_model"):
+        return random_init.random_model(cfg, dtype=dtype, quantize=quantize, backend=backend,
+                                        seed=seed)
+    build = nnx.jit(lambda: Gemma4ForCausalLM(cfg, dtype=dtype, backend=backend,
+                                              quantize=quantize, rngs=nnx.Rngs(seed)))
+    return build()
+
+
+def with_backend(model: Gemma4ForCausalLM, backend: str) -> Gemma4ForCausalLM:
+    """The same model (the same weight arrays, no copy) with every module's backend set."""
+    graphdef, state = nnx.split(model)
+    other = nnx.merge(graphdef, state)
+    for _, node in nnx.iter_graph(other):
+        if isinstance(node, nnx.Module) and isinstance(getattr(node, "backend", None), str):
+            node.backend = backend
+    return other
+
+
+# ---- comparisons ---------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _hidden(graphdef, state, ids):
+    model = nnx.merge(graphdef, state)
+    h, _, layers = model.hidden_states(ids, return_layers=True)
+    return h, layers
+
+
+@jax.jit
+def _layer_errors(got, want):
+    """Relative Frobenius error of each layer's output [L, ...] (one layer at a time)."""
+    def one(pair):
+        g, w = (x.astype(jnp.float32) for x in pair)
+        return jnp.linalg.norm(g - w) / jnp.maximum(jnp.linalg.norm(w), 1e-30)
+    return jax.lax.map(one, (got, want))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _logit_stats(graphdef, state, h_got, h_want):
+    """Per-row statistics of the logits of two hidden-state blocks [R, H]."""
+    model = nnx.merge(graphdef, state)
+    g = model.logits(h_got).astype(jnp.float32)
+    w = model.logits(h_want).astype(jnp.float32)
+    cos = jnp.sum(g * w, -1) / jnp.maximum(jnp.linalg.norm(g, axis=-1) * jnp.linalg.norm(w, axis=-1),
+                                           1e-30)
+    return dict(cos=cos, top1=jnp.argmax(g, -1) == jnp.argmax(w, -1),
+                max_abs=jnp.max(jnp.abs(g - w), -1), err2=jnp.sum((g - w) ** 2, -1),
+                ref2=jnp.sum(w * w, -1))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _logits(graphdef, state, h):
+    return nnx.merge(graphdef, state).logits(h).astype(jnp.float32)
+
+
+def _cos(a, b) -> float:
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-300))
+
+
+def compare_forward(kernel_model, reference_model, ids, *, logit_rows: int = 1024,
+                    prefill_chunk: int | None = None) -> dict:
+    """Kernel path vs reference path on ``ids`` [1, T]; see the module docstring."""
+    ids = jnp.asarray(ids, jnp.int32)
+    out = {}
+    t0 = time.perf_counter()
+    gk, sk = nnx.split(kernel_model)
+    hk, lk = jax.block_until_ready(_hidden(gk, sk, ids))
+    out["kernel_forward_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    gr, sr = nnx.split(reference_model)
+    hr, lr = jax.block_until_ready(_hidden(gr, sr, ids))
+    out["reference_forward_s"] = time.perf_counter() - t0
+    out["layer_rel_err"] = [float(e) for e in np.asarray(_layer_errors(lk, lr))]
+    del lk, lr
+    # Logits in blocks of rows: [T, vocab] float32 twice would be 17 GB at 8K x 262144.
+    h_k, h_r = hk.reshape(-1, hk.shape[-1]), hr.reshape(-1, hr.shape[-1])
+    rows = h_k.shape[0]
+    block = min(logit_rows, rows)
+    stats = []
+    for start in range(0, rows, block):
+        stop = min(start + block, rows)
+        # A short last block is padded by repeating rows so every block compiles once.
+        idx = np.minimum(np.arange(start, start + block), rows - 1)
+        s = _logit_stats(gr, sr, h_k[idx], h_r[idx])
+        stats.append({k: np.asarray(v)[: stop - start] for k, v in s.items()})
+    cat = {k: np.concatenate([s[k] for s in stats]) for k in stats[0]}
+    out["logits"] = dict(
+        cosine_mean=float(cat["cos"].mean()), cosine_min=float(cat["cos"].min()),
+        top1_agreement=float(cat["top1"].mean()), max_abs_err=float(cat["max_abs"].max()),
+        rel_err=float(np.sqrt(cat["err2"].sum() / max(cat["ref2"].sum(), 1e-300))),
+        positions=int(rows))
+    if prefill_chunk is not None:
+        # The production path: chunked prefill on the kernels, last position's logits.
+        want_last = np.asarray(_logits(gr, sr, h_r[-1:]))[0]
+        t0 = time.perf_counter()
+        got_last, _ = prefill(kernel_model, ids, chunk_size=prefill_chunk)
+        got_last = np.asarray(jax.block_until_ready(got_last).astype(jnp.float32))[0]
+        out["kernel_chunked_prefill_s"] = time.perf_counter() - t0
+        out["chunked_prefill_last_logits"] = dict(
+            chunk=prefill_chunk, cosine=_cos(got_last, want_last),
+            max_abs_err=float(np.abs(got_last - want_last).max()),
+            top1_equal=bool(got_last.argmax() == want_last.argmax()))
+    return out
+
+
+def compare_generate(path=None, *, prompt_tokens: int = 48, new_tokens: int = 32,
+                     chunk: int = 16, quantize="w4a8", seed: int = 0) -> dict:
+    """Greedy tokens after a chunked kernel prefill vs the reference path's, on a checkpoint
+    (default: the embedded one)."""
+    from jax_mila.gemma4.loader import from_pretrained
+
+    path = embedded_checkpoint() if path is None else path
+    kernel = from_pretrained(path, dtype=jnp.bfloat16, backend="mila", quantize=quantize)
+    reference = with_backend(kernel, "reference")
+    vocab = kernel.config.vocab_size
+    ids = jax.random.randint(jax.random.key(seed), (1, prompt_tokens), 3, vocab, jnp.int32)
+    logits, cache = prefill(kernel, ids, chunk_size=chunk,
+                            max_cache_len=prompt_tokens + new_tokens)
+    got = np.asarray(generate(kernel, ids, new_tokens, cache=cache, logits=logits))[0]
+    want = np.asarray(generate(reference, ids, new_tokens))[0]
+    diff = np.flatnonzero(got != want)
+    return dict(checkpoint=str(path), quantize=quantize, prompt_tokens=prompt_tokens,
+                prefill_chunk=chunk, new_tokens=new_tokens, equal=bool(diff.size == 0),
+                first_mismatch=int(diff[0]) if diff.size else None,
+                kernel_tokens=got.tolist(), reference_tokens=want.tolist())
+
+
+# ---- report --------------------------------------------------------------------------------
+
+def format_table(result: dict) -> str:
+    f, lg = result["forward"], result["forward"]["logits"]
+    lines = [f"model {result['model']} ({result['layers']} layers, quantize={result['quantize']}), "
+             f"{result['tokens']} tokens, seed {result['seed']}, device {result['device']}",
+             f"  final logits: cosine mean {lg['cosine_mean']:.6f} min {lg['cosine_min']:.6f}, "
+             f"top-1 agreement {lg['top1_agreement']:.4%}, max |err| {lg['max_abs_err']:.4g}, "
+             f"rel err {lg['rel_err']:.3g}",
+             "  rel err of each layer's output (kernel vs reference), 8 layers a row:"]
+    errs = f["layer_rel_err"]
+    lines += [f"  layers {i:2d}-{min(i + 8, len(errs)) - 1:2d}: "
+              + " ".join(f"{e:.2e}" for e in errs[i:i + 8]) for i in range(0, len(errs), 8)]
+    if "chunked_prefill_last_logits" in f:
+        c = f["chunked_prefill_last_logits"]
+        lines.append(f"  chunked prefill ({c['chunk']}/chunk) last logits: cosine {c['cosine']:.6f}, "
+                     f"max |err| {c['max_abs_err']:.4g}, top-1 equal {c['top1_equal']}")
+    lines.append(f"  time: kernel forward {f['kernel_forward_s']:.1f} s, reference forward "
+                 f"{f['reference_forward_s']:.1f} s (compile included)"
+                 + (f"; device peak {result['peak_gib']:.1f} GiB" if result.get("peak_gib") else ""))
+    if "generate" in result:
+        g = result["generate"]
+        lines.append(f"  greedy generate ({g['new_tokens']} tokens after a {g['prefill_chunk']}-token-"
+                     f"chunk kernel prefill of {g['prompt_tokens']}, embedded checkpoint, "
+                     f"quantize={g['quantize']}): "
+                     + ("equal to the reference" if g["equal"]
+                        else f"DIFFERS from token {g['first_mismatch']}"))
+    lines += [f"  kernel: {v}" for v in result.get("kernels", {}).values()]
+    lines += [f"  fallback: {v}" for v in result.get("fallbacks", [])]
+    # "| " rows: what scripts/gpu_round.sh shows of a benchmark's output.
+    return "\n".join("| " + line for line in lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="12b", choices=SIZES)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--layers", type=int, default=None, help="first N layers only (default: all)")
+    p.add_argument("--quantize", default="w4a8", choices=["w4a8", "none"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--logit-rows", type=int, default=1024, help="rows per logits block")
+    p.add_argument("--prefill-chunk", type=int, default=2048,
+                   help="chunk of the kernel prefill compared at the last position (0: skip)")
+    p.add_argument("--generate-tokens", type=int, default=32, help="0: skip the generate check")
+    p.add_argument("--out", default=None, help="JSON path (default $OUT/fidelity.json)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    quantize = None if args.quantize == "none" else args.quantize
+    cfg = model_config(args.model, args.layers)
+    kernel = random_model(cfg, quantize=quantize, backend="mila", seed=args.seed)
+    reference = with_backend(kernel, "reference")
+    ids = jax.random.randint(jax.random.key(args.seed + 1), (1, args.tokens), 3, cfg.vocab_size,
+                             jnp.int32)
+    chunk = min(args.prefill_chunk, args.tokens) or None
+    result = dict(model=args.model, layers=cfg.num_hidden_layers, tokens=args.tokens,
+                  quantize=args.quantize, seed=args.seed, device=str(jax.devices()[0]),
+                  random_init=("jax_mila.gemma4.random_init" if _has_random_init()
+                               else "nnx initializers"),
+                  forward=compare_forward(kernel, reference, ids, logit_rows=args.logit_rows,
+                                          prefill_chunk=chunk))
+    del kernel, reference
+    if args.generate_tokens:
+        result["generate"] = compare_generate(new_tokens=args.generate_tokens, seed=args.seed,
+                                              quantize=quantize)
+    stats = jax.devices()[0].memory_stats() or {}
+    result["peak_gib"] = (stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats
+                          else None)
+    result["kernels"] = {op: str(st) for op, st in ffi.available().items()}
+    result["fallbacks"] = [f"{op}: {why}" for op, why in _registry.logged_fallbacks()]
+    print(format_table(result))
+    out = args.out or os.path.join(os.environ.get("OUT", "."), "fidelity.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
+    return 0 if result.get("generate", {}).get("equal", True) else 1
+
+
+def _has_random_init() -> bool:
+    try:
+        from jax_mila.gemma4 import random_init
+    except ImportError:
+        return False
+    return hasattr(random_init, "random_model")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

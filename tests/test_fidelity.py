@@ -1,0 +1,79 @@
+"""jax_mila.gemma4.fidelity on a tiny config (CPU: the kernel path is the reference path, so
+every error must be exactly 0), and that its per-layer comparison does see a difference."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+from flax import nnx
+
+from jax_mila.ffi import _registry
+from jax_mila.gemma4 import fidelity
+
+SEED = int.from_bytes(os.urandom(4), "little") % 2**31
+
+
+class FidelityTest(absltest.TestCase):
+
+    def test_tiny_run_writes_the_table_and_json(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "fidelity.json")
+            rc = fidelity.main(["--model", "tiny", "--tokens", "40", "--logit-rows", "16",
+                                "--prefill-chunk", "16", "--generate-tokens", "6",
+                                "--seed", str(SEED), "--out", out])
+            with open(out) as f:
+                result = json.load(f)
+        msg = f"seed {SEED}: {result}"
+        self.assertEqual(rc, 0, msg)
+        lg = result["forward"]["logits"]
+        self.assertEqual(lg["positions"], 40, msg)
+        if not _registry.cuda_capabilities():
+            # No kernels: both paths are the same computation.
+            self.assertEqual((lg["top1_agreement"], lg["max_abs_err"], lg["rel_err"]),
+                             (1.0, 0.0, 0.0), msg)
+            self.assertGreater(lg["cosine_min"], 1 - 1e-6, msg)  # float32 rounding of the cosine
+            self.assertEqual(result["forward"]["layer_rel_err"], [0.0] * 6, msg)
+        else:
+            # The W4A8 kernels run (the embedded dims are multiples of 128); they equal the
+            # reference up to float32 summation order (wgmma: ~1e-4), then bf16 rounding.
+            self.assertGreater(lg["cosine_min"], 0.999, msg)
+            self.assertLess(max(result["forward"]["layer_rel_err"]), 2e-2, msg)
+            self.assertLen(result["forward"]["layer_rel_err"], 6, msg)
+        self.assertTrue(result["forward"]["chunked_prefill_last_logits"]["top1_equal"], msg)
+        self.assertTrue(result["generate"]["equal"], msg)
+        self.assertLen(result["generate"]["kernel_tokens"], 6)
+
+    def test_per_layer_error_starts_at_the_perturbed_layer(self):
+        cfg = fidelity.model_config("tiny")
+        model = fidelity.random_model(cfg, quantize=None, backend="reference", seed=SEED)
+        other = nnx.clone(fidelity.with_backend(model, "reference"))
+        w = other.layers[3].mlp.down_proj.kernel
+        w.set_value(w[...] * 1.5)
+        ids = jax.random.randint(jax.random.key(SEED), (1, 24), 3, cfg.vocab_size, jnp.int32)
+        res = fidelity.compare_forward(other, model, ids, logit_rows=8)
+        err = np.asarray(res["layer_rel_err"])
+        msg = f"seed {SEED}: {err}"
+        np.testing.assert_array_equal(err[:3], 0, msg)
+        self.assertTrue(np.all(err[3:] > 1e-4), msg)
+        self.assertGreater(res["logits"]["rel_err"], 0.0, msg)
+        self.assertGreater(res["logits"]["max_abs_err"], 0.0, msg)
+
+    def test_with_backend_shares_the_weights(self):
+        cfg = fidelity.model_config("tiny", layers=3)
+        model = fidelity.random_model(cfg, quantize="w4a8", backend="mila", seed=SEED)
+        ref = fidelity.with_backend(model, "reference")
+        self.assertEqual(len(ref.layers), 3)
+        self.assertEqual(ref.layers[0].self_attn.attn.backend, "reference")
+        self.assertEqual(ref.layers[0].mlp.down_proj.backend, "reference")
+        self.assertEqual(model.layers[0].mlp.down_proj.backend, "mila")
+        self.assertIs(ref.embed_tokens.weight[...], model.embed_tokens.weight[...])
+
+
+if __name__ == "__main__":
+    absltest.main()
