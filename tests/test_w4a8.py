@@ -152,6 +152,7 @@ class W4A8ReferenceTest(parameterized.TestCase):
                 self.assertEqual(w4a8_module._variant("auto"), variant)
                 self.assertEqual(w4a8_module._variant("mma_sync"), 1)
                 self.assertEqual(w4a8_module._variant("wgmma"), 2)
+                self.assertEqual(w4a8_module._variant("wgmma_ws"), 3)  # never chosen by "auto"
         with mock.patch.object(w4a8_module, "AUTO_WGMMA_ON_SM90", False), \
              mock.patch.object(w4a8_module, "build_info", return_value={"cuda_archs": "90a"}), \
              mock.patch.object(w4a8_module, "cuda_capabilities", return_value=((9, 0),)):
@@ -159,15 +160,16 @@ class W4A8ReferenceTest(parameterized.TestCase):
             self.assertEqual(w4a8_module._variant("auto"), 1)
 
 
-KERNELS = ["auto", "mma_sync", "wgmma"]
+KERNELS = ["auto", "mma_sync", "wgmma", "wgmma_ws"]
+HOPPER_KERNELS = ("wgmma", "wgmma_ws")  # sm_90a only
 
 # Relative Frobenius error bound (float32 output, against the float32 reference or the float64
 # product) per kernel. mma_sync accumulates in float32: 2e-6. wgmma: Hopper's FP8 wgmma adds at
 # ~14 bits (truncated), so the kernel promotes every 128-long K chunk into float32 registers;
 # expected ~1e-4 at any K. 4e-4 holds it with margin while the unpromoted kernel (1.6e-3 at
-# K=15360, measured on the H200) fails test_accuracy_k15360.
-F32_TOL = {"mma_sync": 2e-6, "wgmma": 4e-4}
-K15360_TOL = {"mma_sync": 1e-5, "wgmma": 4e-4}
+# K=15360, measured on the H200) fails test_accuracy_k15360. wgmma_ws: the same promotion.
+F32_TOL = {"mma_sync": 2e-6, "wgmma": 4e-4, "wgmma_ws": 4e-4}
+K15360_TOL = {"mma_sync": 1e-5, "wgmma": 4e-4, "wgmma_ws": 4e-4}
 
 
 def _resolve(kernel: str) -> str:
@@ -176,8 +178,8 @@ def _resolve(kernel: str) -> str:
 
 class W4A8KernelTest(parameterized.TestCase):
     """GPU: the CUDA kernels against the reference (poisoned outputs, odd sizes). Every test
-    runs for "auto" (held to the bounds of the kernel it resolves to), "mma_sync" and "wgmma"
-    (compute capability 9.0 only)."""
+    runs for "auto" (held to the bounds of the kernel it resolves to), "mma_sync", "wgmma" and
+    "wgmma_ws" (the last two: compute capability 9.0 only)."""
 
     def setUp(self):
         super().setUp()
@@ -186,8 +188,8 @@ class W4A8KernelTest(parameterized.TestCase):
             self.skipTest("FP8 mma needs compute capability >= 8.9")
 
     def _require(self, kernel):
-        if kernel == "wgmma" and testing.compute_capability() != (9, 0):
-            self.skipTest("wgmma needs compute capability 9.0 (sm_90a)")
+        if kernel in HOPPER_KERNELS and testing.compute_capability() != (9, 0):
+            self.skipTest(f"{kernel} needs compute capability 9.0 (sm_90a)")
         return _resolve(kernel)
 
     def _check(self, m, n, k, kernel, *, w_scale=None, seed=None):
@@ -282,19 +284,20 @@ class W4A8KernelTest(parameterized.TestCase):
         self.assertLess(e32, K15360_TOL[resolved], f"{kernel} seed={seed}")
         self.assertLess(e16, 3e-3, f"{kernel} seed={seed}")  # bf16 output rounding: ~1.7e-3
 
-    def test_wgmma_error_does_not_grow_with_k(self):
+    @parameterized.parameters(*HOPPER_KERNELS)
+    def test_wgmma_error_does_not_grow_with_k(self, kernel):
         # Promotion makes the error a property of 128-long chunks: K=15360 must be no worse than
         # a few times K=256 (unpromoted it grew ~16x: ~1e-4 at K=256, 1.6e-3 at K=15360).
-        self._require("wgmma")
+        self._require(kernel)
         if _under_compute_sanitizer():
             self.skipTest("large case: skipped under compute-sanitizer")
         errs = {}
         for k in (256, 15360):
             seed = _seed()
             xq, xs, w = _operands(512, 768, k, seed)
-            got = ffi.w4a8_matmul(xq, xs, w, out_dtype=jnp.float32, kernel="wgmma")
+            got = ffi.w4a8_matmul(xq, xs, w, out_dtype=jnp.float32, kernel=kernel)
             errs[k] = testing.rel_fro_err(got, _exact_product(xq, xs, w))
-        print(f"\n[w4a8 wgmma] rel Frobenius error K=256 {errs[256]:.2e}, "
+        print(f"\n[w4a8 {kernel}] rel Frobenius error K=256 {errs[256]:.2e}, "
               f"K=15360 {errs[15360]:.2e}")
         self.assertLess(errs[15360], 3 * errs[256] + 1e-6, errs)
 
@@ -302,8 +305,18 @@ class W4A8KernelTest(parameterized.TestCase):
         if _under_compute_sanitizer():
             self.skipTest("large case: skipped under compute-sanitizer")
         for kernel in KERNELS:
-            if kernel != "wgmma" or testing.compute_capability() == (9, 0):
+            if kernel not in HOPPER_KERNELS or testing.compute_capability() == (9, 0):
                 self._check(16500, 256, 256, kernel)
+
+    @parameterized.parameters(*KERNELS)
+    def test_more_tiles_than_sms(self, kernel):
+        # 33 x 17 = 561 output tiles of wgmma_ws (256 x 128) on 132 SMs: every CTA of the
+        # persistent kernel runs several tiles (the mbarrier phases and the epilogue buffers
+        # carry over between them), with an M tail (8389 = 32 * 256 + 197) and an N tail
+        # (2056 = 16 * 128 + 8) in the raster.
+        if _under_compute_sanitizer():
+            self.skipTest("large case: skipped under compute-sanitizer")
+        self._check(8389, 2056, 384, kernel)
 
 
 if __name__ == "__main__":

@@ -70,15 +70,17 @@ ffi::Error W4A8MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x,
   if (reinterpret_cast<uintptr_t>(scales.untyped_data()) % 4 != 0) {
     return InvalidArgument(kOp, "w.scales: buffer must be 4-byte aligned");
   }
-  if (variant < 0 || variant > 2) {
-    return InvalidArgument(kOp, "variant=", variant, " (0 auto, 1 mma.sync, 2 wgmma)");
+  if (variant < 0 || variant > 3) {
+    return InvalidArgument(kOp, "variant=", variant,
+                           " (0 auto, 1 mma.sync, 2 wgmma, 3 warp-specialized wgmma)");
   }
   const int cc = CurrentComputeCapability();
   if (cc < kW4A8MinComputeCapability) {
     return Unimplemented(kOp, "needs FP8 tensor cores (compute capability >= 8.9), this device is ",
                          cc / 10, ".", cc % 10, "; jax_mila routes such devices to the reference");
   }
-  if (static_cast<W4A8Variant>(variant) == W4A8Variant::kWgmma && cc != 90) {
+  if ((static_cast<W4A8Variant>(variant) == W4A8Variant::kWgmma ||
+       static_cast<W4A8Variant>(variant) == W4A8Variant::kWgmmaWs) && cc != 90) {
     return Unimplemented(kOp, "the wgmma kernel needs compute capability 9.0, this device is ",
                          cc / 10, ".", cc % 10);
   }

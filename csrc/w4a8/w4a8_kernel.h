@@ -1,12 +1,14 @@
 // W4A8 GEMM: y[M, N] = (x_fp8[M, K] * x_scale[M]) @ W[N, K]^T, W in MXFP4 (jax_mila/quant/mxfp4.py:
 // e2m1 codes packed in kernel order, e8m0 block exponents, a per-channel reference exponent).
 // FP8 tensor cores with float32 accumulation; the weights stay 4-bit in memory and become e4m3
-// in registers right before the MMA. Two kernels:
+// in registers right before the MMA. Three kernels:
 //   wgmma (sm_90a): the converted weight tile is the register A operand of wgmma.m64n128k32
 //     (the FP8 weights never touch shared memory, only the packed ones), the activations the
 //     shared-memory B operand; computes y^T tiles and transposes them through shared memory in
 //     the epilogue. Partial sums are promoted to fp32 registers every 128 of K (Hopper's FP8
 //     wgmma accumulates at ~14 bits).
+//   wgmma_ws (sm_90a, w4a8_sm90_ws.cu): the same math, warp-specialized (TMA producer
+//     warpgroup, mbarrier ring, two consumer warpgroups, persistent tile scheduler).
 //   mma.sync (sm_89+): m16n8k32 FP8 mma. Native on sm_89/sm_120; on sm_90 ptxas lowers FP8
 //     mma.sync to F2FP + two HMMA.16816 (fp16 rate), so Hopper uses the wgmma kernel.
 #pragma once
@@ -40,7 +42,8 @@ struct W4A8Args {
 };
 
 // Which kernel runs: kAuto picks wgmma on compute capability 9.0, mma.sync otherwise.
-enum class W4A8Variant : int { kAuto = 0, kMmaSync = 1, kWgmma = 2 };
+// kWgmmaWs: the warp-specialized sm_90a kernel (TMA producer, persistent; w4a8_sm90_ws.cu).
+enum class W4A8Variant : int { kAuto = 0, kMmaSync = 1, kWgmma = 2, kWgmmaWs = 3 };
 
 // Requires k % 128 == 0, n % 8 == 0, 16-byte aligned pointers for x, packed and out, and
 // compute capability >= 8.9 (`cc`, 10 * major + minor); kWgmma (and kAuto on cc 90) requires
@@ -48,5 +51,8 @@ enum class W4A8Variant : int { kAuto = 0, kMmaSync = 1, kWgmma = 2 };
 // archs are empty and never launched.
 cudaError_t LaunchW4A8Matmul(const W4A8Args& args, W4A8Variant variant, int cc,
                              cudaStream_t stream);
+
+// The kWgmmaWs kernel (w4a8_sm90_ws.cu); LaunchW4A8Matmul's checks apply, and cc must be 90.
+cudaError_t LaunchW4A8WgmmaWs(const W4A8Args& args, cudaStream_t stream);
 
 }  // namespace mila

@@ -12,7 +12,9 @@ N % 8 == 0; others raise ValueError at trace time (the C++ handler checks again)
 
 Kernels (``kernel=``): "mma_sync" (m16n8k32 FP8 mma.sync: native on sm_89 / sm_120; on Hopper
 ptxas lowers FP8 mma.sync to fp16 HMMA, about half the FP8 rate) and "wgmma" (sm_90a only:
-wgmma.m64n128k32 FP8 with the converted weights as the register operand). "auto" (default) runs
+wgmma.m64n128k32 FP8 with the converted weights as the register operand) and "wgmma_ws" (sm_90a
+only: the same math, warp-specialized: a TMA producer warpgroup with an mbarrier ring, two
+consumer warpgroups, persistent tile scheduling; csrc/w4a8/w4a8_sm90_ws.cu). "auto" (default) runs
 wgmma on compute capability 9.0 when this build has sm_90a code (JAX_MILA_CUDA_ARCHS includes
 90a, the default), mma_sync otherwise; ``auto_kernel()`` says which one for this process
 (AUTO_WGMMA_ON_SM90 = False turns the wgmma choice off). Hopper's FP8 wgmma accumulates at
@@ -35,8 +37,9 @@ a float64 product: relative Frobenius error 5.6e-8 with out_dtype=float32 and 1.
 bfloat16 (the bf16 rounding of the output alone is 1.7e-3). The MXFP4 weight quantization itself
 costs ~12% relative error against unquantized Gaussian weights (e2m1 has one mantissa bit).
 
-Status (H200, 2026-11-30): the mma_sync kernel passed tests/test_w4a8.py's GPU class (odd M,
-poisoned outputs, exponent-floor exactness, K=15360 accuracy < 1e-5). The promoted wgmma kernel
+Status (H200, 2026-11-30): "wgmma_ws" is new and NOT yet verified on the GPU. The mma_sync
+kernel passed tests/test_w4a8.py's GPU class (odd M, poisoned outputs, exponent-floor
+exactness, K=15360 accuracy < 1e-5). The promoted wgmma kernel
 and "auto" choosing it on sm_90 are NOT yet verified on the GPU (to be confirmed by the next
 GPU round). JAX_MILA_DISABLE=w4a8_matmul routes to the reference.
 """
@@ -59,7 +62,7 @@ K_MULTIPLE = 128  # the kernel's K tile
 N_MULTIPLE = 8  # 16-byte output rows per store group
 MIN_COMPUTE_CAPABILITY = (8, 9)  # FP8 mma.sync
 OUT_DTYPES = (jnp.bfloat16, jnp.float32)
-KERNELS = {"auto": 0, "mma_sync": 1, "wgmma": 2}  # the handler's `variant` attribute
+KERNELS = {"auto": 0, "mma_sync": 1, "wgmma": 2, "wgmma_ws": 3}  # the handler's `variant`
 # Whether "auto" may run the wgmma kernel on compute capability 9.0 (False: mma_sync everywhere;
 # no rebuild needed, the handler only sees "auto" when this is True).
 AUTO_WGMMA_ON_SM90 = True

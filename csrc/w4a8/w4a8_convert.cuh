@@ -1,0 +1,63 @@
+// Device helpers shared by the W4A8 kernels (w4a8.cu: mma.sync and wgmma; w4a8_sm90_ws.cu:
+// warp-specialized wgmma): K-tile constants, the e2m1 -> e4m3 conversion of one weight word
+// (see w4a8.cu's header comment for why it is exact), the channel scale of the epilogue and the
+// grouped tile raster. Internal linkage: each kernel file gets its own copy.
+#pragma once
+
+#include <cstdint>
+
+#include "common/ptx.cuh"
+
+// Archs below a kernel's minimum compile its body away and leave these unused.
+#pragma nv_diag_suppress 177
+
+namespace mila {
+namespace {
+
+constexpr int kBK = 128;                 // K tile = one kernel-order group
+constexpr int kKBlocks = kBK / 32;       // MXFP4 blocks per K tile
+constexpr int kPackedTile = kBK / 2;     // packed bytes per weight row and K tile
+
+// e4m3 bytes of the e2m1 magnitudes code * 2^6 (code 0..7 = 0, 0.5, 1, 1.5, 2, 3, 4, 6):
+// 0, 32, 64, 96 and 128, 192, 256, 384. The block offset d enters as 8 d added to the
+// exponent field of the nonzero entries (byte 0, code 0, stays 0).
+constexpr uint32_t kLutLo = 0x6C686000u;
+constexpr uint32_t kLutHi = 0x7C787470u;
+constexpr uint32_t kLutLoStep = 0x08080800u;
+constexpr uint32_t kLutHiStep = 0x08080808u;
+constexpr int kChannelExpShift = 127 + 6;  // weight = e4m3 * 2^(channel_exp - 133)
+
+// Table constants of one weight row: table = block_exp * step + c (c folds -R * step in).
+struct RowLut {
+  uint32_t lo, hi;
+};
+__device__ __forceinline__ RowLut row_lut(uint32_t channel_exp) {
+  return {kLutLo - channel_exp * kLutLoStep, kLutHi - channel_exp * kLutHiStep};
+}
+
+// 8 codes of one word -> the two e4m3 registers (k 4q..4q+3 and k 16+4q..16+4q+3).
+__device__ __forceinline__ void word_to_e4m3(uint32_t word, uint32_t block_exp, RowLut c,
+                                             uint32_t& lo, uint32_t& hi) {
+  const uint32_t lut_lo = block_exp * kLutLoStep + c.lo;
+  const uint32_t lut_hi = block_exp * kLutHiStep + c.hi;
+  lo = ptx::w4a8::e2m1x4_to_e4m3x4(word, lut_lo, lut_hi);
+  hi = ptx::w4a8::e2m1x4_to_e4m3x4(word >> 16, lut_lo, lut_hi);
+}
+
+__device__ __forceinline__ float channel_scale(const uint8_t* channel_exp, int n, int N) {
+  return n < N ? ldexpf(1.f, static_cast<int>(channel_exp[n]) - kChannelExpShift) : 0.f;
+}
+
+// Grouped raster: consecutive CTAs walk `group_m` M tiles for one N tile, so the weight tile
+// and the group's activation tiles stay in L2.
+__device__ __forceinline__ void tile_coords(int pid, int tiles_m, int tiles_n, int group_m,
+                                            int& tm, int& tn) {
+  const int group = group_m * tiles_n;
+  const int first_m = (pid / group) * group_m;
+  const int gm = min(tiles_m - first_m, group_m);
+  tm = first_m + (pid % group) % gm;
+  tn = (pid % group) / gm;
+}
+
+}  // namespace
+}  // namespace mila

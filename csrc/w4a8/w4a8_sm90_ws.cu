@@ -1,0 +1,415 @@
+// Warp-specialized W4A8 GEMM for sm_90a (variant kWgmmaWs, kernel="wgmma_ws"). Same math,
+// operand roles and promotion as w4a8.cu's `wg` kernel (y^T tiles: converted weights are the
+// register A operand of wgmma.m64n128k32, activations the shared-memory B operand; every
+// 128-long K chain is summed in a fresh accumulator and added into fp32 master registers), with
+// the data movement taken off the math warps:
+//
+//   * warpgroup 0, the producer (setmaxnreg.dec to 40 registers): one thread issues two TMA
+//     loads per K tile (activations 256 x 128 B with the 128-byte swizzle that the wgmma
+//     descriptor expects; packed weights 128 x 64 B, unswizzled) into a 4-stage ring of
+//     full/empty mbarriers; the 32 lanes of its first warp copy the tile's block exponents
+//     (4 bytes per weight row: TMA cannot take them, the K/32-byte row stride is not a multiple
+//     of 16) with cp.async and arrive on the stage's full barrier when their copies land
+//     (cp.async.mbarrier.arrive). The other three producer warps exit at once (one polling warp
+//     per SM sub-partition would take issue slots from the consumers).
+//   * warpgroups 1 and 2, the consumers (setmaxnreg.inc to 232): weight rows 64 w .. 64 w + 63
+//     of the tile each, all 256 activation rows. Per K tile: wait full, convert the two weight
+//     rows of each thread from shared memory into e4m3 A fragments, two promoted n128 halves
+//     (4 wgmma each, wait, add into the masters), arrive on the stage's empty barrier. The two
+//     warpgroups are not synchronized with each other: while one waits for its batch and adds,
+//     the other's batch runs on the tensor cores.
+//   * persistent: grid = min(#SMs, tiles), tile t = blockIdx.x + i * gridDim.x in the grouped
+//     raster of w4a8_convert.cuh (8 M tiles per N tile: the weight tile and the group's
+//     activation tiles are reused from L2). The producer runs ahead into the next tile's stages
+//     while the consumers store the previous tile, so the epilogue overlaps the loads.
+//   * epilogue: x_scale[m] * 2^(channel_exp - 133), bf16 rounding, staged per warpgroup through
+//     its own 128 x 64 shared buffer (two passes of 128 activation rows; named barrier of the
+//     warpgroup only), 16-byte row-contiguous stores; rows >= M and columns >= N are not stored.
+//     float32 output: direct stores (8 lanes write 32 contiguous bytes).
+//
+// Tile choice: 128 weight rows x 256 activation rows x 128 K. Consumer registers: masters
+// m64 x n256 fp32 = 128, one n128 partial = 64, A fragments 16, row tables 4, addresses: ~220 of
+// the 232 that setmaxnreg gives (2 x 128 x 232 + 128 x 40 = 64,512 <= 65,536). A second partial
+// (to keep two batches in flight per warpgroup) would need 256. Shared memory per stage:
+// 32 KiB activations + 8 KiB packed weights + 512 B exponents = 40.5 KiB; 4 stages (162 KiB) +
+// 2 x 18 KiB epilogue buffers + barriers = 199 KiB (5 stages would need 239 KiB > 227 KiB).
+// At ~1 us of tensor-core work per stage, 4 stages cover 3-4 us of load latency.
+//
+// Sizes: K % 128 == 0, N % 8 == 0 (weight rows past N: TMA zero-fill -> zero weights; exponents
+// zero-filled by cp.async), any M >= 1 (rows past M: TMA zero-fill, never stored), M < 2^31.
+#include <cuda.h>  // CUtensorMap (types only: the encoder comes through the runtime)
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+
+#include "common/ptx.cuh"
+#include "w4a8/w4a8_convert.cuh"
+#include "w4a8/w4a8_kernel.h"
+
+namespace mila {
+namespace {
+namespace ws {
+
+constexpr int kBN = 128;     // weight rows per tile (2 consumer warpgroups x 64)
+constexpr int kBM = 256;     // activation rows per tile
+constexpr int kHalfM = 128;  // activation rows per wgmma (n128) and per promotion
+constexpr int kStages = 4;
+constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
+constexpr int kConsumerThreads = 256;
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+constexpr int kXStage = kBM * kBK;          // 32 KiB, 1024-byte aligned (128B swizzle atoms)
+constexpr int kXHalf = kHalfM * kBK;        // activation row 128 (1024-byte aligned)
+constexpr int kWStage = kBN * kPackedTile;  // 8 KiB
+constexpr int kEStage = kBN * kKBlocks;     // 512 B
+constexpr int kWOffset = kStages * kXStage;
+constexpr int kEOffset = kWOffset + kStages * kWStage;
+constexpr int kOutOffset = kEOffset + kStages * kEStage;
+constexpr int kOutRows = 128;               // activation rows per epilogue pass
+constexpr int kOutPitch = 64 + 8;           // bf16 per staged row: conflict-free writes
+constexpr int kOutBytes = kOutRows * kOutPitch * 2;  // one consumer warpgroup's buffer
+// x_scale of the tile's 256 rows, per consumer warpgroup: read from shared memory in the
+// epilogue (global loads there get hoisted by the compiler, all 64 at once, and spill).
+constexpr int kXsOffset = kOutOffset + 2 * kOutBytes;
+constexpr int kBarOffset = kXsOffset + 2 * kBM * 4;
+constexpr int kSmemBytes = kBarOffset + 2 * kStages * 8 + 1024;  // + alignment slack
+constexpr uint32_t kTxBytes = kXStage + kWStage;  // TMA bytes per stage (OOB fill counts)
+constexpr uint32_t kFullArrivals = 1 + 32;  // expect_tx arrive + one cp.async arrive per lane
+constexpr int kGroupM = 8;
+static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+static_assert(kOutBytes % 16 == 0 && kBarOffset % 8 == 0, "alignment");
+
+// ---- PTX (sm_90a) ---------------------------------------------------------------------------
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes the initialized barriers visible to the async proxy (TMA complete_tx) and other threads.
+__device__ __forceinline__ void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+// One arrive on `bar` once all of this thread's earlier cp.async have landed; counts as one of
+// the barrier's expected arrivals (.noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// 2-D tiled TMA load of the box at (c0 = innermost coordinate, c1) into `dst`, completing
+// transaction bytes on `bar`.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// ---- kernel ---------------------------------------------------------------------------------
+
+template <typename OutT>
+__global__ void __launch_bounds__(kThreads, 1)
+    w4a8_wgmma_ws_kernel(const __grid_constant__ CUtensorMap tmap_x,
+                         const __grid_constant__ CUtensorMap tmap_w, const W4A8Args args) {
+#if defined(__CUDA_ARCH__) && defined(MILA_W4A8_HAS_WGMMA)
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_base = ptx::smem_addr(smem_raw);
+  const uint32_t smem_base = (raw_base + 1023u) & ~1023u;
+  uint8_t* smem = smem_raw + (smem_base - raw_base);
+  const uint32_t full_bar = smem_base + kBarOffset;  // stage s: + 8 s
+  const uint32_t empty_bar = full_bar + 8 * kStages;
+
+  const int tid = threadIdx.x;
+  const int K = args.k, N = args.n;
+  const int64_t M = args.m;
+  const int tiles_m = static_cast<int>((M + kBM - 1) / kBM);
+  const int tiles_n = (N + kBN - 1) / kBN;
+  const int tiles = tiles_m * tiles_n;
+  const int kt_count = K / kBK;
+
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full_bar + 8 * s, kFullArrivals);
+      mbar_init(empty_bar + 8 * s, kConsumerThreads);
+    }
+    fence_mbar_init();
+  }
+  __syncthreads();
+
+  // Stage of pipeline step `it` (one K tile of one output tile, counted over the CTA's whole
+  // tile sequence, identically by producer and consumers): it % kStages, pass (it / kStages).
+  if (tid < 128) {
+    // ---------------- producer ----------------
+    setmaxnreg_dec<kProducerRegs>();
+    if (tid >= 32) return;
+    uint32_t it = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      int tm, tn;
+      tile_coords(tile, tiles_m, tiles_n, kGroupM, tm, tn);
+      const int n0 = tn * kBN;
+      for (int kt = 0; kt < kt_count; ++kt, ++it) {
+        const uint32_t s = it % kStages;
+        // A fresh barrier counts as having completed the pass before pass 0 (parity 1), so the
+        // first kStages waits return at once.
+        mbar_wait(empty_bar + 8 * s, ((it / kStages) & 1) ^ 1);
+        const uint32_t fb = full_bar + 8 * s;
+        if (tid == 0) {
+          mbar_arrive_expect_tx(fb, kTxBytes);
+          tma_load_2d(smem_base + s * kXStage, &tmap_x, kt * kBK, tm * kBM, fb);
+          tma_load_2d(smem_base + kWOffset + s * kWStage, &tmap_w, kt * kPackedTile, n0, fb);
+        }
+        // Exponents of weight rows tid + 32 i; rows past N are zero-filled (zero weights).
+#pragma unroll
+        for (int i = 0; i < kBN / 32; ++i) {
+          const int row = tid + 32 * i;
+          const bool valid = n0 + row < N;
+          const int64_t offset = static_cast<int64_t>(n0 + row) * (K / 32) + kt * kKBlocks;
+          const uint8_t* src = args.scales + (valid ? offset : 0);
+          ptx::w4a8::cp_async_4(smem_base + kEOffset + s * kEStage + row * kKBlocks, src, valid);
+        }
+        cp_async_mbar_arrive(fb);
+      }
+    }
+    // Uncommitted cp.async belong to no group: commit, then wait, before the threads exit.
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  setmaxnreg_inc<kConsumerRegs>();
+  const int cw = tid / 128 - 1;  // consumer warpgroup 0 / 1: weight rows 64 cw ..
+  const int wtid = tid % 128;
+  const int lane = tid % 32, wwarp = wtid / 32;
+  const int g = lane / 4, q = lane % 4;
+  const int wrow0 = cw * 64 + wwarp * 16 + g;  // tile-local weight rows wrow0, wrow0 + 8
+
+  uint32_t it = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    int tm, tn;
+    tile_coords(tile, tiles_m, tiles_n, kGroupM, tm, tn);
+    const int64_t m0 = static_cast<int64_t>(tm) * kBM;
+    const int n0 = tn * kBN;
+    RowLut lut[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = n0 + wrow0 + 8 * h;
+      lut[h] = row_lut(n < N ? args.channel_exp[n] : 0u);
+    }
+
+    // A fragment of block kb: {row g k 4q.., row g+8 k 4q.., row g k 16+4q.., row g+8 k 16+4q..}
+    // from the stage's packed rows (64 bytes each: a warp reads 512 contiguous bytes).
+    auto convert = [&](uint32_t s, uint32_t (&a)[kKBlocks][4]) {
+      const uint8_t* sw = smem + kWOffset + s * kWStage;
+      const uint8_t* se = smem + kEOffset + s * kEStage;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = wrow0 + 8 * h;
+        const uint4 v = *reinterpret_cast<const uint4*>(sw + row * kPackedTile + q * 16);
+        const uint32_t exps = *reinterpret_cast<const uint32_t*>(se + row * kKBlocks);
+#pragma unroll
+        for (int kb = 0; kb < kKBlocks; ++kb) {
+          const uint32_t word = kb == 0 ? v.x : kb == 1 ? v.y : kb == 2 ? v.z : v.w;
+          word_to_e4m3(word, (exps >> (8 * kb)) & 0xFFu, lut[h], a[kb][h], a[kb][2 + h]);
+        }
+      }
+    };
+
+    // Master sums, m64n256 layout: acc[64 h + i] = half h's partial[i].
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+
+    for (int kt = 0; kt < kt_count; ++kt, ++it) {
+      const uint32_t s = it % kStages;
+      mbar_wait(full_bar + 8 * s, (it / kStages) & 1);
+      uint32_t a[kKBlocks][4];
+      convert(s, a);
+      const uint32_t sx = smem_base + s * kXStage;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // The partial sum is never read before written (scale-d = 0 on the first wgmma).
+        float part[64];
+        ptx::w4a8::wgmma_fence();
+        ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(
+            part, a[0], ptx::w4a8::wgmma_desc_k128b(sx + h * kXHalf));
+#pragma unroll
+        for (int kb = 1; kb < kKBlocks; ++kb)
+          ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(
+              part, a[kb], ptx::w4a8::wgmma_desc_k128b(sx + h * kXHalf + kb * 32));
+        ptx::w4a8::wgmma_commit();
+        ptx::w4a8::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 64; ++i) ptx::w4a8::fence_operand(part[i]);
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[64 * h + i] += part[i];
+      }
+#pragma unroll
+      for (int kb = 0; kb < kKBlocks; ++kb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ptx::w4a8::fence_operand(a[kb][e]);
+      // Both batches retired and the packed rows were read above: the stage may be refilled.
+      mbar_arrive(empty_bar + 8 * s);
+    }
+
+    // Epilogue: acc[4j + e] = y^T[weight row wrow0 (+8 if e >= 2)][activation row 8j + 2q
+    // (+1 if e odd)].
+    const float ws0 = channel_scale(args.channel_exp, n0 + wrow0, N);
+    const float ws1 = channel_scale(args.channel_exp, n0 + wrow0 + 8, N);
+    if constexpr (std::is_same_v<OutT, float>) {
+      float* out = static_cast<float*>(args.out);
+#pragma unroll
+      for (int j = 0; j < kBM / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int64_t r = m0 + 8 * j + 2 * q + e;
+          if (r >= M) continue;
+          const float xs = args.x_scale[r];
+          if (n0 + wrow0 < N) out[r * N + n0 + wrow0] = acc[4 * j + e] * ws0 * xs;
+          if (n0 + wrow0 + 8 < N) out[r * N + n0 + wrow0 + 8] = acc[4 * j + 2 + e] * ws1 * xs;
+        }
+      }
+    } else {
+      __nv_bfloat16* so = reinterpret_cast<__nv_bfloat16*>(smem + kOutOffset + cw * kOutBytes);
+      float* s_xs = reinterpret_cast<float*>(smem + kXsOffset + cw * kBM * 4);
+      const int lcol = wwarp * 16 + g;  // warpgroup-local column (+8)
+      const int bar_id = 1 + cw;        // named barrier of this warpgroup (0 is __syncthreads)
+      // Every thread of the warpgroup is past the previous tile's epilogue (its s_xs and
+      // staging reads) before s_xs is rewritten.
+      ptx::named_barrier_sync(bar_id, 128);
+#pragma unroll
+      for (int i = 0; i < kBM / 128; ++i) {
+        const int64_t row = m0 + wtid + 128 * i;
+        s_xs[wtid + 128 * i] = row < M ? args.x_scale[row] : 0.f;
+      }
+#pragma unroll
+      for (int p = 0; p < kBM / kOutRows; ++p) {
+        // Pass 0: s_xs written. Pass 1: the staged pass-0 rows are read.
+        ptx::named_barrier_sync(bar_id, 128);
+#pragma unroll
+        for (int jj = 0; jj < kOutRows / 8; ++jj) {
+          const int j = p * (kOutRows / 8) + jj;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int r = 8 * jj + 2 * q + e;  // pass-local activation row
+            const float xs = s_xs[p * kOutRows + r];
+            so[r * kOutPitch + lcol] = __float2bfloat16_rn(acc[4 * j + e] * ws0 * xs);
+            so[r * kOutPitch + lcol + 8] = __float2bfloat16_rn(acc[4 * j + 2 + e] * ws1 * xs);
+          }
+        }
+        ptx::named_barrier_sync(bar_id, 128);
+        // 128 rows x 8 chunks of 16 bytes: 8 threads per row, 128 contiguous bytes.
+#pragma unroll
+        for (int i = 0; i < kOutRows * 8 / 128; ++i) {
+          const int c = wtid + i * 128, r = c / 8, ch = c % 8;
+          const int64_t row = m0 + p * kOutRows + r;
+          const int col = n0 + cw * 64 + ch * 8;
+          if (row < M && col < N) {
+            const uint4 v = *reinterpret_cast<const uint4*>(so + r * kOutPitch + ch * 8);
+            *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(args.out) + row * N + col) = v;
+          }
+        }
+      }
+    }
+  }
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __trap();  // an sm_90 image without the sm_90a features: fail loudly (see w4a8.cu)
+#endif  // older archs compile an empty kernel that the launcher never starts
+}
+
+// ---- host -----------------------------------------------------------------------------------
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no libcuda link).
+PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                         &status) != cudaSuccess ||
+        status != cudaDriverEntryPointSuccess) {
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// 2-D uint8 tensor [rows, cols] (row stride `cols` bytes), box [box_rows, box_cols].
+cudaError_t EncodeMap(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols,
+                      uint32_t box_rows, uint32_t box_cols, CUtensorMapSwizzle swizzle) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {cols};
+  const cuuint32_t box[2] = {box_cols, box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims,
+                            strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);  // out of bounds: zeros
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <typename OutT>
+cudaError_t LaunchTyped(const W4A8Args& args, cudaStream_t stream) {
+  // TMA coordinates are int32; tile counts fit an int.
+  if (args.m > INT32_MAX - kBM) return cudaErrorInvalidConfiguration;
+  const int64_t tiles = ((args.m + kBM - 1) / kBM) * ((args.n + kBN - 1) / kBN);
+  if (tiles > INT32_MAX) return cudaErrorInvalidConfiguration;
+  CUtensorMap tmap_x, tmap_w;
+  cudaError_t err = EncodeMap(&tmap_x, args.x, static_cast<uint64_t>(args.m),
+                              static_cast<uint64_t>(args.k), kBM, kBK,
+                              CU_TENSOR_MAP_SWIZZLE_128B);
+  if (err != cudaSuccess) return err;
+  err = EncodeMap(&tmap_w, args.packed, static_cast<uint64_t>(args.n),
+                  static_cast<uint64_t>(args.k / 2), kBN, kPackedTile,
+                  CU_TENSOR_MAP_SWIZZLE_NONE);
+  if (err != cudaSuccess) return err;
+  // Not stream operations: allowed while a CUDA graph is being captured.
+  int device = 0, sms = 0;
+  if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
+  if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess)
+    return err;
+  auto kernel = w4a8_wgmma_ws_kernel<OutT>;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, sms));
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(tmap_x, tmap_w, args);
+  return cudaGetLastError();
+}
+
+}  // namespace ws
+}  // namespace
+
+cudaError_t LaunchW4A8WgmmaWs(const W4A8Args& args, cudaStream_t stream) {
+  return args.out_f32 ? ws::LaunchTyped<float>(args, stream)
+                      : ws::LaunchTyped<__nv_bfloat16>(args, stream);
+}
+
+}  // namespace mila
