@@ -20,6 +20,7 @@ from jax_mila import nn
 from jax_mila.gemma4 import cache as kv
 from jax_mila.gemma4.config import Gemma4Config, LayerSpec
 from jax_mila.gemma4.rope import apply_rope
+from jax_mila.parallel.tensor import kv_heads_for_local_queries, reduce_partial_sums
 
 # What attention reads: (k, v, kv_offset). Shared layers receive their source's view.
 KVView = tuple[jax.Array, jax.Array, jax.Array]
@@ -52,13 +53,15 @@ class Gemma4Attention(nnx.Module):
         "decode" (T == 1; appends to ``entry``) or "chunk" (a prefill chunk whose first ``valid``
         tokens are real; appends them to ``entry``). Returns (out, kv_view, new_entry)."""
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        # Head counts from the arrays: under tensor parallelism this device holds a slice of the
+        # heads (jax_mila/parallel/tensor.py).
+        q = self.q_proj(x).reshape(b, t, -1, self.head_dim)
         q = apply_rope(self.q_norm(q), cos, sin)
         new_entry = None
         if self.is_kv_shared:
             k, v, kv_offset = shared
         else:
-            k_raw = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+            k_raw = self.k_proj(x).reshape(b, t, -1, self.head_dim)
             v_raw = k_raw if self.k_eq_v else self.v_proj(x).reshape(k_raw.shape)
             k = apply_rope(self.k_norm(k_raw), cos, sin)
             v = nn.rms_norm(v_raw, None, self.eps)
@@ -73,5 +76,8 @@ class Gemma4Attention(nnx.Module):
                 k_buf, v_buf, k, v, kv_offset = kv.chunk_update(*entry, k, v, offset, valid,
                                                                 ring=ring is not None)
                 new_entry = (k_buf, v_buf)
-        o = self.attn(q, k, v, window=self.window, q_offset=offset, kv_offset=kv_offset)
-        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim)), (k, v, kv_offset), new_entry
+        kq, vq = kv_heads_for_local_queries(k, v, num_heads=self.num_heads,
+                                            num_kv_heads=self.num_kv_heads, local_q_heads=q.shape[2])
+        o = self.attn(q, kq, vq, window=self.window, q_offset=offset, kv_offset=kv_offset)
+        out = reduce_partial_sums(self.o_proj(o.reshape(b, t, -1)))  # o_proj: row-parallel
+        return out, (k, v, kv_offset), new_entry

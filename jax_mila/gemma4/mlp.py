@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_mila import nn
+from jax_mila.parallel.tensor import reduce_partial_sums
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:
@@ -23,4 +24,5 @@ class Gemma4MLP(nnx.Module):
         self.down_proj = nn.Linear(intermediate, hidden, **lin)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+        # down_proj is row-parallel under tensor parallelism: its partial sums are all-reduced.
+        return reduce_partial_sums(self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x)))

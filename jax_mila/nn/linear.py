@@ -155,8 +155,11 @@ class Linear(nnx.Module):
         lead = x.shape[:-1]
         # The quantizer takes bf16 rows (rank >= 2); a float32 model's activations are rounded
         # to bf16 first, which costs far less than the FP8 rounding that follows.
-        rows = x.astype(jnp.bfloat16).reshape(-1, self.in_features)
+        # Sizes from the arrays, not the attributes: under tensor parallelism (shard_map) this
+        # layer holds a slice of its weight (jax_mila/parallel/tensor.py).
+        w = self.mxfp4
+        rows = x.astype(jnp.bfloat16).reshape(-1, x.shape[-1])
         q, s = ops.quantize_activations(rows)
         out_dtype = self.dtype if jnp.dtype(self.dtype) == jnp.dtype(jnp.bfloat16) else jnp.float32
-        y = ops.w4a8_matmul(q, s, self.mxfp4, out_dtype=out_dtype)
-        return y.reshape(*lead, self.out_features).astype(self.dtype)
+        y = ops.w4a8_matmul(q, s, w, out_dtype=out_dtype)
+        return y.reshape(*lead, w.shape[0]).astype(self.dtype)

@@ -1,7 +1,11 @@
-"""Multi-device prefill through JAX sharding: context parallelism (ring attention over a `seq`
-mesh axis, halo exchange for sliding windows)."""
+"""Multi-device prefill through JAX sharding: tensor parallelism over a `heads` mesh axis
+(jax_mila.parallel.tensor) and context parallelism over a `seq` axis (ring attention, halo
+exchange for sliding windows; jax_mila.parallel.context)."""
 
 from jax_mila.parallel.context import (halo_window_attention, ring_attention, zigzag_inverse,
                                        zigzag_order)
+from jax_mila.parallel.tensor import forward as tensor_parallel_forward
+from jax_mila.parallel.tensor import param_specs, tensor_parallel
 
-__all__ = ["halo_window_attention", "ring_attention", "zigzag_inverse", "zigzag_order"]
+__all__ = ["halo_window_attention", "param_specs", "ring_attention", "tensor_parallel",
+           "tensor_parallel_forward", "zigzag_inverse", "zigzag_order"]

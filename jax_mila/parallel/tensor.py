@@ -1,0 +1,156 @@
+"""Tensor parallelism over a `heads` mesh axis (Megatron layout), for the Gemma 4 decoder.
+
+Each attention layer's query heads are split across the axis (q_proj column-parallel), its K/V
+heads too where there are at least as many as devices (else k_proj / v_proj are replicated and
+every device computes the K/V heads its query heads read), and o_proj is row-parallel; the MLP
+is split column- (gate, up) then row-wise (down). A row-parallel projection leaves partial sums,
+so each block ends in one all-reduce (`reduce_partial_sums`). Everything else is replicated.
+
+MXFP4 weights shard exactly: a column split cuts whole output channels (rows of the packed
+codes, block exponents and channel exponents), a row split cuts the contraction into 128-wide
+groups (the packed codes and block exponents along K; the channel exponent stays whole), so a
+device holds only its slice and computes what the single-device kernel computes on it.
+
+The model runs inside `jax.shard_map` with the specs from `param_specs`, under
+`tensor_parallel(axis)`, which is how the layers know to reduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+KV_PROJECTIONS = ("k_proj", "v_proj")
+
+_AXIS = contextvars.ContextVar("jax_mila_tensor_parallel_axis", default=None)
+
+
+@contextlib.contextmanager
+def tensor_parallel(axis: str):
+    """Within this context (while tracing inside shard_map), row-parallel outputs are summed
+    over `axis`."""
+    token = _AXIS.set(axis)
+    try:
+        yield
+    finally:
+        _AXIS.reset(token)
+
+
+def active_axis() -> str | None:
+    return _AXIS.get()
+
+
+def reduce_partial_sums(x: jax.Array) -> jax.Array:
+    """All-reduce of a row-parallel projection's partial sums (identity without TP)."""
+    axis = _AXIS.get()
+    return x if axis is None else jax.lax.psum(x, axis)
+
+
+def kv_heads_for_local_queries(k, v, *, num_heads: int, num_kv_heads: int,
+                               local_q_heads: int):
+    """The K/V heads this device's query heads read.
+
+    Without TP, or with the KV heads split like the query heads, that is all of k, v. With the
+    KV heads replicated (fewer than the devices, e.g. the 12B's single global KV head), device
+    r's query heads [r * Hq/tp, (r + 1) * Hq/tp) all read KV head r * (Hq/tp) // G
+    (G = Hq / Hkv; `param_specs` replicates only where tp is a multiple of Hkv), cut out here."""
+    tp = num_heads // local_q_heads
+    if tp == 1 or k.shape[2] * tp == num_kv_heads:
+        return k, v
+    axis = _AXIS.get()
+    if axis is None or k.shape[2] != num_kv_heads or tp % num_kv_heads:
+        raise ValueError(f"tensor parallel: {local_q_heads} of {num_heads} query heads over "
+                         f"{k.shape[2]} of {num_kv_heads} KV heads (inside tensor_parallel(), "
+                         "KV heads must be split evenly or replicated with tp a multiple of them)")
+    group = num_heads // num_kv_heads
+    head = jax.lax.axis_index(axis) * local_q_heads // group
+    pick = lambda x: jax.lax.dynamic_slice_in_dim(x, head, 1, axis=2)  # noqa: E731
+    return pick(k), pick(v)
+
+
+def _leaf_spec(path: tuple[str, ...], ndim: int, axis: str, split_kv: bool) -> P:
+    names = [str(p) for p in path if str(p) not in ("", "value")]  # nnx.Variable's own levels
+    module = next((n for n in reversed(names) if n.endswith("_proj")), None)
+    leaf = names[-1]
+    if module is None or (module in KV_PROJECTIONS and not split_kv):
+        return P()
+    column = module in COLUMN_PARALLEL
+    if module not in COLUMN_PARALLEL + ROW_PARALLEL:
+        return P()
+    if leaf == "kernel":  # dense [in, out]
+        return P(None, axis) if column else P(axis, None)
+    if leaf in ("packed", "scales"):  # MXFP4 [out, K / 2] and [out, K / 32]
+        return P(axis, None) if column else P(None, axis)
+    if leaf == "channel_exp":  # [out]
+        return P(axis) if column else P()
+    raise ValueError(f"tensor parallel: no sharding rule for parameter {'.'.join(names)} "
+                     f"(rank {ndim})")
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "idx", "name"):  # DictKey, SequenceKey, GetAttrKey
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def param_specs(state, *, axis: str, axis_size: int, num_kv_heads_of_layer):
+    """PartitionSpecs for an nnx.State of Gemma4ForCausalLM: `num_kv_heads_of_layer(i)` gives
+    layer i's KV heads (K/V projections split only where they divide by `axis_size`)."""
+
+    def spec(path, leaf):
+        names = [p for p in path if p not in ("", "value")]
+        split_kv = False
+        if "layers" in names:
+            layer = int(names[names.index("layers") + 1])
+            split_kv = num_kv_heads_of_layer(layer) % axis_size == 0
+        return _leaf_spec(tuple(names), getattr(leaf, "ndim", 0), axis, split_kv)
+
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: spec(tuple(_key_name(k) for k in path), leaf),
+        state)
+
+
+def check_config(cfg, axis_size: int) -> None:
+    """Raises ValueError naming what a `axis_size`-way head split cannot take."""
+    def fail(what):
+        raise ValueError(f"tensor parallel over {axis_size} devices: {what}")
+
+    if cfg.enable_moe_block:
+        fail("MoE layers are not split yet (run the MoE models on one device per replica)")
+    if cfg.has_ple:
+        fail("per-layer embeddings (PLE) are not split yet")
+    if cfg.num_attention_heads % axis_size:
+        fail(f"{cfg.num_attention_heads} query heads do not divide evenly")
+    for i, spec in enumerate(cfg.layers):
+        if spec.num_kv_heads % axis_size and axis_size % spec.num_kv_heads:
+            fail(f"layer {i}: {spec.num_kv_heads} KV heads neither divide by the devices nor "
+                 "divide them")
+        if spec.intermediate_size % axis_size:
+            fail(f"layer {i}: MLP width {spec.intermediate_size} does not divide evenly")
+
+
+def forward(model, input_ids, mesh, *, axis: str = "heads"):
+    """Logits of `model(input_ids)` with the model's heads and MLP split over `axis` of `mesh`
+    (weights placed by `param_specs`, one all-reduce per attention block and per MLP).
+    Other mesh axes replicate."""
+    from flax import nnx  # noqa: PLC0415 - keep the module importable without flax at the top
+
+    cfg = model.config
+    size = mesh.shape[axis]
+    check_config(cfg, size)
+    graphdef, state = nnx.split(model)
+    specs = param_specs(state, axis=axis, axis_size=size,
+                        num_kv_heads_of_layer=lambda i: cfg.layers[i].num_kv_heads)
+
+    def body(state, ids):
+        with tensor_parallel(axis):
+            return nnx.merge(graphdef, state)(ids)
+
+    run = jax.shard_map(body, mesh=mesh, in_specs=(specs, P()), out_specs=P())
+    return jax.jit(run)(state, input_ids)
