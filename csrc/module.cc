@@ -23,6 +23,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaFlashAttentionD512);
 #ifdef MILA_WITH_W4A8
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaW4A8Matmul);
 #endif
+#ifdef MILA_WITH_FLASH512_SM90
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaFlashAttentionD512Sm90);
+#endif
 
 namespace {
 
@@ -50,6 +53,10 @@ NB_MODULE(_jax_mila_cuda, m) {
 #endif
 #ifdef MILA_WITH_W4A8
     targets["jax_mila_w4a8_matmul"] = EncapsulateFfiHandler(MilaW4A8Matmul);
+#endif
+#ifdef MILA_WITH_FLASH512_SM90
+    targets["jax_mila_flash_attention_d512_sm90"] =
+        EncapsulateFfiHandler(MilaFlashAttentionD512Sm90);
 #endif
     return targets;
   });

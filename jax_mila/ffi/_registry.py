@@ -24,7 +24,8 @@ DISABLE_ENV = "JAX_MILA_DISABLE"
 # Public op name -> the FFI targets (names in the extension's registrations()) it needs.
 OPS: dict[str, tuple[str, ...]] = {
     "quantize_activations": ("jax_mila_quantize_activations",),
-    "flash_attention": ("jax_mila_flash_attention_d256", "jax_mila_flash_attention_d512"),
+    "flash_attention": ("jax_mila_flash_attention_d256", "jax_mila_flash_attention_d512",
+                        "jax_mila_flash_attention_d512_sm90"),  # the last: opt-in, Hopper only
     "w4a8_matmul": ("jax_mila_w4a8_matmul",),
 }
 

@@ -9,13 +9,15 @@ q_pos - k_pos < W. Rows with no visible key return zeros (lse -inf).
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_mila import reference
 from jax_mila.ffi import _checks
-from jax_mila.ffi._registry import dispatch
+from jax_mila.ffi._registry import _registered_targets, cuda_capabilities, dispatch
 
 OP = "flash_attention"
 HEAD_DIMS = (256, 512)
@@ -23,6 +25,19 @@ MAX_GROUPS = 16
 # The D=512 kernel keeps a 64 x 512 Q tile resident beside its K and V tiles: it needs the
 # 160+ KB of shared memory per block of sm_80 and sm_90 (sm_86/sm_89 offer 99 KB).
 D512_CAPABILITIES = ((8, 0), (9, 0))
+# Opt-in Hopper (wgmma + TMA) D=512 kernel, csrc/flash512_sm90/: used only with
+# JAX_MILA_FLASH512_SM90=1, when built (JAX_MILA_KERNELS=...;flash512_sm90), on cc 9.0 GPUs
+# only, and when Hq / Hkv divides its 64-row tile; otherwise the mma.sync kernel as before.
+D512_SM90_TARGET = "jax_mila_flash_attention_d512_sm90"
+
+
+def _d512_target(q, k) -> str:
+    if (os.environ.get("JAX_MILA_FLASH512_SM90") == "1"
+            and D512_SM90_TARGET in _registered_targets()
+            and cuda_capabilities() and all(cc == (9, 0) for cc in cuda_capabilities())
+            and 64 % (q.shape[2] // k.shape[2]) == 0):
+        return D512_SM90_TARGET
+    return "jax_mila_flash_attention_d512"
 
 
 def _validate(q, k, v, scale, causal, window, q_offset, kv_offset) -> None:
@@ -78,6 +93,8 @@ def _make_call(target, scale, causal, window):
     device_ok = None
     if target.endswith("d512"):
         device_ok = lambda cc: cc in D512_CAPABILITIES  # noqa: E731
+    elif target == D512_SM90_TARGET:
+        device_ok = lambda cc: cc == (9, 0)  # noqa: E731
 
     @jax.custom_batching.custom_vmap
     def call(q, k, v, q_offset, kv_offset):
@@ -114,6 +131,7 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, q_offset=
     _validate(q, k, v, scale, causal, window, q_offset, kv_offset)
     d = q.shape[-1]
     scale = float(d**-0.5 if scale is None else scale)
-    call = _make_call(f"jax_mila_flash_attention_d{d}", scale, bool(causal), window)
+    target = _d512_target(q, k) if d == 512 else f"jax_mila_flash_attention_d{d}"
+    call = _make_call(target, scale, bool(causal), window)
     o, lse = call(q, k, v, jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32))
     return (o, lse) if return_lse else o

@@ -1,0 +1,583 @@
+// FlashAttention prefill for head dim 512 on Hopper (sm_90a): wgmma, TMA, mbarriers and
+// warp specialisation, written with inline PTX (sm90_ptx.cuh). Same contract and results as
+// the portable mma.sync kernel (flash512/flash512.cu), which stays the oracle.
+//
+// Geometry (first step of issue 7: correct and non-persistent; see "Not yet" below).
+//   * One CTA = 3 warpgroups (384 threads) per M tile of 64 packed rows (4 positions x 16
+//     query heads of one KV head, packed row r = t * G + g, as in flash512.cu), so every
+//     K/V tile is read once for all G heads. Grid (M tiles reversed: longest first, Hkv, B).
+//   * WG0 = producer (setmaxnreg.dec to 24): one thread issues every TMA copy. WG1, WG2 =
+//     consumers c = 0, 1 (setmaxnreg.inc to 240). (Cluster variant: 40 / 232.)
+//   * O = 64 x 512 fp32 does not fit one warpgroup (256 registers a thread), so the output
+//     columns are split: consumer c owns O[:, 256c : 256c+256] (128 fp32 a thread).
+//   * S = Q K^T (64 rows x 64 keys) has its D contraction split the same way: consumer c
+//     computes S_c over D[256c, 256c+256) (16 x wgmma m64n64k16, Q and K from shared memory
+//     through K-major descriptors), writes its 32 fp32 a thread to shared memory, and after
+//     a 256-thread named barrier adds the other's partial: S = S_c + S_{1-c}. fp32 addition
+//     commutes, so both consumers hold bit-identical S and compute bit-identical softmax
+//     statistics and P -- no second exchange is needed. Why not both computing the full S:
+//     that doubles the S FLOPs (+50% tensor work); the exchange costs 16 KB written and read
+//     per consumer per tile.
+//   * O_c += P V[:, 256c..] : 4 x wgmma m64n256k16 with P from registers (the S accumulator
+//     layout converted to the A-fragment layout in place, as in FA-3) and V from shared
+//     memory through an MN-major (transposed-B) descriptor.
+// Shared memory (1024-byte aligned): Q 64 KB (resident), K 64 KB, V 64 KB (one buffer each),
+// S exchange 2 x 16 KB, 5 mbarriers: 224 KB + 40 B (+1 KB alignment slack).
+// Every 64 x 512 tile is 8 TMA boxes of 64 rows x 64 columns (128 bytes, the 128-byte
+// swizzle's row), box i at byte 8192 i: column block i holds D[64i, 64i+64).
+//   Q box: tensor map over q [B, T, Hq, 512] as 4-D {512, Hq, T, B}, box {64, G, 64/G, 1}
+//     at {64i, hG, m0/G, b}: the box's rows come out in packed-row order (t-major, then g).
+//     G must divide 64 (G = 1, 2, 4, 8, 16); positions >= T are zero-filled by TMA.
+//   K/V box: {512, Hkv, S, B}, box {64, 1, 64, 1} at {64i, h, n0, b}; keys >= S zero-filled.
+//   Descriptors: S = Q K^T reads A = Q and B = K K-major: k-step kk (16 of D) of consumer c
+//     starts at column block 4c + kk/4, +32 bytes per kk % 4 (inside the swizzled row),
+//     SBO 1024 (8 rows). P V reads B = V MN-major: k-step kk (16 keys) starts at key row 16kk
+//     (+2048 bytes) of column block 4c, SBO 1024 (next 8 keys), LBO 8192 (next 64 columns).
+//
+// Pipeline and barriers (phase parities count the tiles the CTA has visited, i = 0, 1, ...):
+//   q_full (count 1): producer arrive.expect_tx(64 KB) + 8 Q boxes, once. Consumers wait
+//     parity 0.
+//   k_full / v_full (count 1): producer arrive.expect_tx(64 KB) + 8 boxes of tile i;
+//     consumers wait parity i & 1 before the S (resp. PV) wgmmas of tile i.
+//   k_empty / v_empty (count 8: lane 0 of each consumer warp, after __syncwarp): a consumer
+//     warp arrives on k_empty after its S wgmmas retired (wait_group 0) AND after it read the
+//     other consumer's S partial (see below); on v_empty after its PV wgmmas retired. The
+//     producer waits parity (i-1) & 1 of k_empty (v_empty) before refilling K (V) with tile i.
+//   So K_{i+1} streams in during softmax_i + PV_i, V_{i+1} during S_{i+1} + softmax_{i+1}.
+//   The producer issues in the consumers' order (K_i, V_i, K_{i+1}, ...), so it never waits
+//   on a release that comes after one it is blocked behind.
+//   S exchange buffer red[c] (written by consumer c, read by 1-c), one per consumer: written
+//   at tile i+1 only after consumer c waited k_full of tile i+1, which completes after the
+//   producer saw k_empty of tile i, which consumer 1-c's warps arrive on only after reading
+//   red[c] of tile i. Within a tile, the named barrier (id 1, 256 threads) orders both
+//   writes before both reads.
+//   wgmma register hazards: wgmma.fence before each batch (orders the preceding register
+//   writes: O rescale, P conversion); wait_group 0 then fence_operand on every accumulator /
+//   A register before any thread touches them. The producer never writes shared memory with
+//   generic stores, so no fence.proxy.async is needed for the operands; the mbarrier inits
+//   are fenced (fence.mbarrier_init + fence.proxy.async) before the CTA barrier that
+//   precedes the first TMA.
+//
+// Masking (same semantics as flash512.cu): the CTA's visible key range [n_lo, n_hi) comes from
+// the device-side offsets; only tiles in it are loaded. Tiles crossing the causal diagonal, the
+// window's far edge or S are masked element-wise to -inf. A row that never sees a key keeps
+// m = -inf (exp2 base 0, so P = 0 and alpha = 0), l = 0, and writes o = 0, lse = -inf; a CTA
+// with no tile at all skips the loop and writes the same. Rows past T (packed row >= T * G)
+// compute on zero-filled Q and are never written.
+// Who writes what: consumer c writes o[..., 256c : 256c+256] of its rows (bf16, 4-byte stores
+// straight from the accumulators); consumer 0's quad leaders write lse (both consumers hold
+// the same m and l).
+//
+// Cluster variant (opt-in, JAX_MILA_FLASH512_SM90_CLUSTER=2; kCluster = 2): the two CTAs of a
+// cluster take adjacent M tiles (2 pair, 2 pair + 1) and load the union of their key ranges
+// (computed identically in both from the pair's rows), so that each K/V tile leaves L2 once
+// for 128 rows: CTA rank r issues column blocks 4r..4r+3 with .multicast::cluster (mask 0b11)
+// into the same offsets of both CTAs. Per CTA: k_full / v_full still expect 64 KB and one
+// arrival (its own producer's): 32 KB come from each CTA's copies, and bytes that land before
+// the expect_tx only drive the tx-count negative while the arrival is still pending.
+// k_empty / v_empty count 16: every consumer warp of the cluster arrives on both CTAs'
+// barriers (mapa + mbarrier.arrive.release.cluster), because either producer overwrites the
+// tile in both CTAs. No copy of tile i+1 can reach a CTA before that CTA's own full phase i
+// completed (the other producer first waits for this CTA's consumers' releases of tile i).
+// Each CTA masks with its own rows' positions (a tile beyond its own causal or window range is
+// fully masked; a CTA past the last M tile, when the count is odd, computes on zero-filled Q
+// and writes nothing). barrier.cluster at the start (the other CTA's barriers initialised
+// before any multicast or remote arrival) and at the end (no CTA exits while the other may
+// still arrive on its barriers); the full barriers are waited with acquire.cluster.
+//
+// Not yet (next steps of issue 7): overlap of softmax with the other consumer's / the next
+// tile's wgmma (ping-pong or split S), 2-stage K/V buffers, a persistent causal scheduler,
+// TMA multicast of K/V over a 2-CTA cluster, M = 128 rows, staged (TMA) output stores.
+#include <cuda.h>  // CUtensorMap and its enums (the driver entry point is fetched at run time)
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdlib>
+
+#include "common/attention_params.h"
+#include "common/ptx.cuh"
+#include "flash512_sm90/flash512_sm90.h"
+#include "flash512_sm90/sm90_ptx.cuh"
+
+namespace mila {
+namespace {
+
+namespace px = ::mila::ptx;
+namespace hx = ::mila::ptx::sm90;
+
+constexpr int kD = 512;
+constexpr int kBlockM = 64;
+constexpr int kBlockN = 64;
+constexpr int kThreads = 384;
+constexpr int kColBlockBytes = 64 * 64 * 2;        // one TMA box: 64 rows x 128 bytes
+constexpr uint32_t kTileBytes = 8 * kColBlockBytes;  // 64 x 512 bf16
+constexpr int kOffQ = 0;
+constexpr int kOffK = kOffQ + kTileBytes;
+constexpr int kOffV = kOffK + kTileBytes;
+constexpr int kOffRed = kOffV + kTileBytes;              // float4 [2][8][128]
+constexpr int kOffBar = kOffRed + 2 * 8 * 128 * 16;      // 5 x uint64
+constexpr int kSmemBytes = kOffBar + 5 * 8 + 1024;       // + slack to align the base
+// setmaxnreg targets per variant (ptxas allocates each role's code within its target): the
+// sum 128 x producer + 256 x consumer must stay 64,512 = 384 x 168 (the launch allocation).
+// kCluster 1: 24 / 240 (the consumers spill at 232); kCluster 2: 40 / 232 (its multicast
+// producer loop spills at 24).
+template <int kCluster>
+constexpr int kProducerRegs = kCluster == 1 ? 24 : 40;
+template <int kCluster>
+constexpr int kConsumerRegs = kCluster == 1 ? 240 : 232;
+[[maybe_unused]] constexpr float kLog2e = 1.4426950408889634f;
+[[maybe_unused]] constexpr float kLn2 = 0.6931471805599453f;
+
+[[maybe_unused]] __device__ __forceinline__ float NegInf() { return __int_as_float(0xff800000); }
+
+template <int kCluster>
+__global__ void __launch_bounds__(kThreads, 1)
+    Flash512Sm90Kernel(const __grid_constant__ CUtensorMap tm_q,
+                       const __grid_constant__ CUtensorMap tm_k,
+                       const __grid_constant__ CUtensorMap tm_v, const AttentionParams p,
+                       const int num_m_blocks) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = px::smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (base - raw);
+  const uint32_t sQ = base + kOffQ, sK = base + kOffK, sV = base + kOffV;
+  const uint32_t bar_q = base + kOffBar, bar_k_full = bar_q + 8, bar_k_empty = bar_q + 16;
+  const uint32_t bar_v_full = bar_q + 24, bar_v_empty = bar_q + 32;
+
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int G = p.hq / p.hkv;
+  const int rows_total = p.t * G;  // fits int32: the FFI handler checks it
+  const int q_off = *p.q_offset, kv_off = *p.kv_offset;
+  // This CTA's M tile, and the first packed row of the span whose keys it loads: its own tile
+  // (kCluster 1), or the cluster's pair of adjacent tiles 2 pair, 2 pair + 1 (kCluster 2:
+  // both CTAs load the union of their key ranges, each half of every K/V tile, multicast).
+  // Longest first: blockIdx.x counts from the last M tile (pair) down.
+  uint32_t rank = 0;
+  int m_block, span_m0;
+  if constexpr (kCluster == 1) {
+    m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x);
+    span_m0 = m_block * kBlockM;
+  } else {
+    rank = hx::cluster_ctarank();
+    const int pair = static_cast<int>(gridDim.x / 2 - 1 - blockIdx.x / 2);
+    m_block = 2 * pair + static_cast<int>(rank);  // may be num_m_blocks: a CTA with no rows
+    span_m0 = 2 * pair * kBlockM;
+  }
+  const int m0 = m_block * kBlockM;
+
+  // Positions of this CTA's rows (for masking) and of the span's (for the loaded key range);
+  // in int64, as in flash512.cu.
+  // (Only kCluster 2's last CTA can start past the last row: min() keeps its positions real.)
+  const int64_t qpos_min = static_cast<int64_t>(q_off) + min(p.t - 1, m0 / G);
+  const int64_t qpos_max = static_cast<int64_t>(q_off) + min(p.t - 1, (m0 + kBlockM - 1) / G);
+  const int64_t span_qpos_min =
+      kCluster == 1 ? qpos_min : static_cast<int64_t>(q_off) + min(p.t - 1, span_m0 / G);
+  const int64_t span_qpos_max =
+      kCluster == 1 ? qpos_max
+                    : static_cast<int64_t>(q_off) +
+                          min(p.t - 1, (span_m0 + kCluster * kBlockM - 1) / G);
+  int64_t n_lo = 0, n_hi = p.s;
+  if (p.causal) n_hi = min(n_hi, span_qpos_max - kv_off + 1);
+  if (p.window > 0) n_lo = max(n_lo, span_qpos_min - p.window + 1 - kv_off);
+  int tile_lo = 0, tile_hi = 0;
+  if (n_hi > n_lo) {
+    tile_lo = static_cast<int>(n_lo / kBlockN);
+    tile_hi = static_cast<int>((n_hi + kBlockN - 1) / kBlockN);
+  }
+
+  if (tid == 0) {
+    hx::mbar_init(bar_q, 1);
+    hx::mbar_init(bar_k_full, 1);
+    hx::mbar_init(bar_k_empty, 8 * kCluster);  // every consumer warp of the cluster
+    hx::mbar_init(bar_v_full, 1);
+    hx::mbar_init(bar_v_empty, 8 * kCluster);
+    hx::mbar_init_fence();
+  }
+  // The last CTA-wide barrier (the roles split below); with a cluster, also: the other CTA's
+  // barriers are initialised before this CTA multicasts to them or arrives on them.
+  if constexpr (kCluster == 1) {
+    __syncthreads();
+  } else {
+    hx::cluster_sync();
+  }
+
+  if (wg == 0) {
+    // ---------------- producer ----------------
+    hx::setmaxnreg_dec<kProducerRegs<kCluster>>();
+    if (tid == 0 && tile_lo < tile_hi) {
+      hx::tma_prefetch_desc(&tm_q);
+      hx::tma_prefetch_desc(&tm_k);
+      hx::tma_prefetch_desc(&tm_v);
+      hx::mbar_arrive_expect_tx(bar_q, kTileBytes);
+#pragma unroll
+      for (int cb = 0; cb < 8; ++cb)
+        hx::tma_load_4d(sQ + cb * kColBlockBytes, &tm_q, bar_q, cb * 64, h * G, m0 / G, b);
+      for (int tile = tile_lo, i = 0; tile < tile_hi; ++tile, ++i) {
+        const int n0 = tile * kBlockN;
+        if constexpr (kCluster == 1) {
+          if (i > 0) hx::mbar_wait(bar_k_empty, (i - 1) & 1);
+          hx::mbar_arrive_expect_tx(bar_k_full, kTileBytes);
+#pragma unroll
+          for (int cb = 0; cb < 8; ++cb)
+            hx::tma_load_4d(sK + cb * kColBlockBytes, &tm_k, bar_k_full, cb * 64, h, n0, b);
+          if (i > 0) hx::mbar_wait(bar_v_empty, (i - 1) & 1);
+          hx::mbar_arrive_expect_tx(bar_v_full, kTileBytes);
+#pragma unroll
+          for (int cb = 0; cb < 8; ++cb)
+            hx::tma_load_4d(sV + cb * kColBlockBytes, &tm_v, bar_v_full, cb * 64, h, n0, b);
+        } else {
+          // This CTA loads column blocks 4 rank .. 4 rank + 3 into both CTAs; each CTA's
+          // full barrier expects the whole tile (its own 4 boxes and the other CTA's 4).
+          // The empty barriers count both CTAs' consumer warps: the tile is overwritten in both.
+          if (i > 0) hx::mbar_wait_cluster(bar_k_empty, (i - 1) & 1);
+          hx::mbar_arrive_expect_tx(bar_k_full, kTileBytes);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int cb = 4 * static_cast<int>(rank) + j;
+            hx::tma_load_4d_multicast(sK + cb * kColBlockBytes, &tm_k, bar_k_full, cb * 64, h, n0,
+                                      b, 0x3);
+          }
+          if (i > 0) hx::mbar_wait_cluster(bar_v_empty, (i - 1) & 1);
+          hx::mbar_arrive_expect_tx(bar_v_full, kTileBytes);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int cb = 4 * static_cast<int>(rank) + j;
+            hx::tma_load_4d_multicast(sV + cb * kColBlockBytes, &tm_v, bar_v_full, cb * 64, h, n0,
+                                      b, 0x3);
+          }
+        }
+      }
+    }
+    // With a cluster, no CTA may exit while the other can still arrive on its barriers.
+    if constexpr (kCluster == 2) hx::cluster_sync();
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  hx::setmaxnreg_inc<kConsumerRegs<kCluster>>();
+  const int c = wg - 1;              // output columns [256c, 256c+256), D half c of S
+  const int ct = tid - 128 * wg;     // thread in the warpgroup
+  const int lane = ct & 31, wq = ct >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  // Accumulator rows of this thread: rr[0] = 16 wq + g, rr[1] = rr[0] + 8.
+  int tq[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int pr = m0 + 16 * wq + g + 8 * r;
+    tq[r] = pr < rows_total ? pr / G : p.t - 1;
+  }
+  // Empty-barrier arrivals: this CTA's and (kCluster 2) the other CTA's, as cluster addresses.
+  const uint32_t k_empty_own = kCluster == 1 ? bar_k_empty : hx::map_to_cta(bar_k_empty, rank);
+  const uint32_t k_empty_peer = kCluster == 1 ? 0u : hx::map_to_cta(bar_k_empty, rank ^ 1u);
+  const uint32_t v_empty_own = kCluster == 1 ? bar_v_empty : hx::map_to_cta(bar_v_empty, rank);
+  const uint32_t v_empty_peer = kCluster == 1 ? 0u : hx::map_to_cta(bar_v_empty, rank ^ 1u);
+  auto release = [&](uint32_t own, uint32_t peer) {
+    __syncwarp();  // every lane of this warp is done with the buffer
+    if (lane == 0) {
+      if constexpr (kCluster == 1) {
+        hx::mbar_arrive(own);
+      } else {
+        hx::mbar_arrive_cluster(own);
+        hx::mbar_arrive_cluster(peer);
+      }
+    }
+  };
+  auto wait_full = [&](uint32_t bar, uint32_t parity) {
+    if constexpr (kCluster == 1) {
+      hx::mbar_wait(bar, parity);
+    } else {
+      hx::mbar_wait_cluster(bar, parity);
+    }
+  };
+  float4* red_mine = reinterpret_cast<float4*>(smem + kOffRed) + c * (8 * 128);
+  const float4* red_other = reinterpret_cast<const float4*>(smem + kOffRed) + (1 - c) * (8 * 128);
+
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  float m_run[2] = {NegInf(), NegInf()};
+  float l_run[2] = {0.f, 0.f};
+  const float scale_log2 = p.scale * kLog2e;
+
+  if (tile_lo < tile_hi) {
+    const uint32_t q_half = sQ + 4 * c * kColBlockBytes;
+    const uint32_t k_half = sK + 4 * c * kColBlockBytes;
+    const uint32_t v_half = sV + 4 * c * kColBlockBytes;
+    // S accumulators: the first wgmma of a tile ignores their value (scale-d = 0); zeroed once
+    // so that no indeterminate value is ever an asm operand.
+    float s[32];
+#pragma unroll
+    for (int e = 0; e < 32; ++e) s[e] = 0.f;
+    hx::mbar_wait(bar_q, 0);
+    for (int tile = tile_lo, i = 0; tile < tile_hi; ++tile, ++i) {
+      const int n0 = tile * kBlockN;
+      const uint32_t parity = i & 1;
+
+      // ---- S_c = Q[:, D half c] K[:, D half c]^T (64 x 64, fp32).
+      wait_full(bar_k_full, parity);
+      hx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 16; ++kk) {
+        const uint32_t off = (kk >> 2) * kColBlockBytes + (kk & 3) * 32;
+        const uint64_t da = hx::desc_sw128(q_half + off, 16, 1024);
+        const uint64_t db = hx::desc_sw128(k_half + off, 16, 1024);
+        if (kk == 0) {
+          hx::wgmma_m64n64k16_ss<false>(s, da, db);
+        } else {
+          hx::wgmma_m64n64k16_ss<true>(s, da, db);
+        }
+      }
+      hx::wgmma_commit();
+      hx::wgmma_wait<0>();
+#pragma unroll
+      for (int e = 0; e < 32; ++e) hx::fence_operand(s[e]);
+
+      // ---- Exchange the D-half partials: S = S_c + S_{1-c} (same bits in both consumers).
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        red_mine[j * 128 + ct] = make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
+      px::named_barrier_sync(1, 256);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float4 v = red_other[j * 128 + ct];
+        s[4 * j] += v.x;
+        s[4 * j + 1] += v.y;
+        s[4 * j + 2] += v.z;
+        s[4 * j + 3] += v.w;
+      }
+      // This warp is done with K_i (wgmmas retired) and with red[1-c] of tile i.
+      release(k_empty_own, k_empty_peer);
+
+      // ---- Online softmax on rows 16wq+g (+8), keys n0 + 8j + 2t4 + {0,1}.
+      const bool need_mask =
+          (p.s - n0 < kBlockN) ||
+          (p.causal && static_cast<int64_t>(n0) + kBlockN - 1 + kv_off > qpos_min) ||
+          (p.window > 0 && static_cast<int64_t>(n0) + kv_off + p.window <= qpos_max);
+#pragma unroll
+      for (int e = 0; e < 32; ++e) s[e] *= scale_log2;
+      if (need_mask) {
+#pragma unroll
+        for (int e = 0; e < 32; ++e) {
+          const int kofs = 8 * (e >> 2) + 2 * t4 + (e & 1);  // key - n0
+          const int64_t delta =
+              static_cast<int64_t>(q_off) + tq[(e >> 1) & 1] - kv_off - n0 - kofs;
+          const bool visible = kofs < p.s - n0 && (!p.causal || delta >= 0) &&
+                               (p.window <= 0 || delta < p.window);
+          if (!visible) s[e] = NegInf();
+        }
+      }
+      float mx[2] = {NegInf(), NegInf()};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
+        mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
+      }
+      float base_r[2], alpha[2], rowsum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float m_new = fmaxf(m_run[r], mx[r]);
+        base_r[r] = m_new == NegInf() ? 0.f : m_new;  // all masked so far: exp2(-inf) = 0
+        alpha[r] = px::exp2_approx(m_run[r] - base_r[r]);
+        m_run[r] = m_new;
+      }
+#pragma unroll
+      for (int e = 0; e < 32; ++e) {
+        s[e] = px::exp2_approx(s[e] - base_r[(e >> 1) & 1]);
+        rowsum[(e >> 1) & 1] += s[e];
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rowsum[r];
+#pragma unroll
+      for (int i2 = 0; i2 < 32; ++i2) {
+        o[4 * i2] *= alpha[0];
+        o[4 * i2 + 1] *= alpha[0];
+        o[4 * i2 + 2] *= alpha[1];
+        o[4 * i2 + 3] *= alpha[1];
+      }
+      // P as wgmma A fragments: k-step kk covers keys 16kk.. = accumulator n8 blocks 2kk, 2kk+1.
+      uint32_t pa[4][4];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        pa[kk][0] = px::pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
+        pa[kk][1] = px::pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
+        pa[kk][2] = px::pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
+        pa[kk][3] = px::pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
+      }
+
+      // ---- O_c += P V[:, 256c : 256c+256].
+      wait_full(bar_v_full, parity);
+      // Pin the rescaled O and the P fragments before the fence that orders these register
+      // writes ahead of the wgmmas (the compiler may not sink them past it).
+#pragma unroll
+      for (int e = 0; e < 128; ++e) hx::fence_operand(o[e]);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) hx::fence_operand(pa[kk][e]);
+      hx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        hx::wgmma_m64n256k16_rs_tb(o, pa[kk],
+                                   hx::desc_sw128(v_half + kk * 16 * 128, kColBlockBytes, 1024));
+      }
+      hx::wgmma_commit();
+      hx::wgmma_wait<0>();
+#pragma unroll
+      for (int e = 0; e < 128; ++e) hx::fence_operand(o[e]);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) hx::fence_operand(pa[kk][e]);
+      release(v_empty_own, v_empty_peer);
+    }
+  }
+
+  // ---- Epilogue: row sums over the quad, lse (consumer 0), O / l in bf16.
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+    inv[r] = l_run[r] > 0.f ? 1.f / l_run[r] : 0.f;
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int pr = m0 + 16 * wq + g + 8 * r;
+    if (pr >= rows_total) continue;
+    const int tq_r = pr / G, gq = pr % G;
+    if (c == 0 && t4 == 0 && p.lse != nullptr) {
+      p.lse[(static_cast<size_t>(b) * p.hq + h * G + gq) * p.t + tq_r] =
+          l_run[r] > 0.f ? (m_run[r] + log2f(l_run[r])) * kLn2 : NegInf();
+    }
+    __nv_bfloat16* orow =
+        p.o + ((static_cast<size_t>(b) * p.t + tq_r) * p.hq + h * G + gq) * kD + 256 * c + 2 * t4;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      *reinterpret_cast<uint32_t*>(orow + 8 * j) =
+          px::pack_bf16x2(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+    }
+  }
+  if constexpr (kCluster == 2) hx::cluster_sync();  // see the producer's
+#else
+  __trap();  // built for sm_90a only; the launcher checks the device
+#endif
+}
+
+// cuTensorMapEncodeTiled, fetched from the driver through the runtime (no -lcuda).
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiledFn GetEncodeTiled() {
+  static const EncodeTiledFn fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+#if CUDART_VERSION >= 12050
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
+                                                             cudaEnableDefault, &status);
+#else
+    const cudaError_t err =
+        cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &status);
+#endif
+    return (err == cudaSuccess && status == cudaDriverEntryPointSuccess)
+               ? reinterpret_cast<EncodeTiledFn>(ptr)
+               : nullptr;
+  }();
+  return fn;
+}
+
+// A 4-D bf16 tensor map {512, d1, d2, d3} (row-major, innermost first) with 128-byte swizzle.
+bool EncodeMap(EncodeTiledFn encode, CUtensorMap* map, const void* ptr, uint64_t d1, uint64_t d2,
+               uint64_t d3, uint32_t box1, uint32_t box2) {
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(kD), d1, d2, d3};
+  const cuuint64_t strides[3] = {kD * 2ull, kD * 2ull * d1, kD * 2ull * d1 * d2};  // bytes
+  const cuuint32_t box[4] = {64, box1, box2, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(ptr), dims, strides,
+                box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// Developer knob, read once per process: JAX_MILA_FLASH512_SM90_CLUSTER=2 runs the 2-CTA
+// cluster variant (adjacent M tiles share every K/V tile through TMA multicast: half the
+// L2->SM traffic). Default 1 until it is measured and tested on the H200.
+int ClusterSize() {
+  static const int v = [] {
+    const char* env = std::getenv("JAX_MILA_FLASH512_SM90_CLUSTER");
+    return env != nullptr && std::atoi(env) == 2 ? 2 : 1;
+  }();
+  return v;
+}
+
+template <int kCluster>
+cudaError_t LaunchKernel(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
+                         const AttentionParams& p, int num_m_blocks, cudaStream_t stream) {
+  auto* kernel = Flash512Sm90Kernel<kCluster>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  // setmaxnreg moves registers within the CTA: the consumers' increase must be covered by what
+  // the producer releases, which holds only if the kernel was allocated 168 registers a thread
+  // (ptxas's choice under __launch_bounds__(384, 1)). Fewer would make setmaxnreg.inc wait
+  // forever: refuse to launch instead of hanging.
+  cudaFuncAttributes attr{};
+  if ((err = cudaFuncGetAttributes(&attr, kernel)) != cudaSuccess) return err;
+  if (attr.numRegs * kThreads < 128 * kProducerRegs<kCluster> + 256 * kConsumerRegs<kCluster>) {
+    return cudaErrorInvalidConfiguration;
+  }
+  // kCluster 2: one cluster per pair of M tiles (an odd count leaves a CTA without rows).
+  const int grid_x = kCluster == 1 ? num_m_blocks : 2 * ((num_m_blocks + 1) / 2);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(p.hkv),
+                     static_cast<unsigned>(p.batch));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attrs[1];
+  attrs[0].id = cudaLaunchAttributeClusterDimension;
+  attrs[0].val.clusterDim.x = kCluster;
+  attrs[0].val.clusterDim.y = 1;
+  attrs[0].val.clusterDim.z = 1;
+  cfg.attrs = attrs;
+  cfg.numAttrs = kCluster == 1 ? 0 : 1;  // kCluster 1: a plain launch
+  return cudaLaunchKernelEx(&cfg, kernel, tm_q, tm_k, tm_v, p, num_m_blocks);
+}
+
+}  // namespace
+
+cudaError_t LaunchFlashAttentionD512Sm90(const AttentionParams& p, cudaStream_t stream) {
+  int device = 0, major = 0, minor = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if ((err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device)) != cudaSuccess)
+    return err;
+  if ((err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device)) != cudaSuccess)
+    return err;
+  if (major != 9 || minor != 0) return cudaErrorInvalidDeviceFunction;
+  const int G = p.hq / p.hkv;
+  if (G <= 0 || kBlockM % G != 0) return cudaErrorInvalidConfiguration;
+  const EncodeTiledFn encode = GetEncodeTiled();
+  if (encode == nullptr) return cudaErrorNotSupported;
+
+  CUtensorMap tm_q, tm_k, tm_v;
+  if (!EncodeMap(encode, &tm_q, p.q, p.hq, p.t, p.batch, G, kBlockM / G) ||
+      !EncodeMap(encode, &tm_k, p.k, p.hkv, p.s, p.batch, 1, kBlockN) ||
+      !EncodeMap(encode, &tm_v, p.v, p.hkv, p.s, p.batch, 1, kBlockN)) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t rows = static_cast<int64_t>(p.t) * G;
+  const int64_t num_m_blocks = (rows + kBlockM - 1) / kBlockM;
+  if (num_m_blocks > INT32_MAX - 1) return cudaErrorInvalidValue;
+  return ClusterSize() == 2
+             ? LaunchKernel<2>(tm_q, tm_k, tm_v, p, static_cast<int>(num_m_blocks), stream)
+             : LaunchKernel<1>(tm_q, tm_k, tm_v, p, static_cast<int>(num_m_blocks), stream);
+}
+
+}  // namespace mila

@@ -1,0 +1,123 @@
+"""The opt-in Hopper D=512 flash attention (csrc/flash512_sm90/, target *_d512_sm90).
+
+CPU: jax_mila.ffi.attention routes D=512 calls to it only with JAX_MILA_FLASH512_SM90=1, the
+target built, every GPU of compute capability 9.0 and Hq / Hkv dividing its 64-row tile.
+GPU (cc 9.0, built with JAX_MILA_KERNELS=...;flash512_sm90): the new kernel against the
+mma.sync kernel (its oracle) on the same inputs, called through both FFI targets directly,
+so that neither routing nor the environment can make the comparison vacuous. The full
+contract suite is tests/test_flash_attention.py run with JAX_MILA_FLASH512_SM90=1; the
+test here also proves that the variable really routes to the new target.
+"""
+
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from jax_mila import ffi, testing
+from jax_mila.ffi import attention
+
+SM90 = attention.D512_SM90_TARGET
+MMA = "jax_mila_flash_attention_d512"
+ENV = "JAX_MILA_FLASH512_SM90"
+
+
+def _shapes(hq, hkv):
+    return (jax.ShapeDtypeStruct((1, 8, hq, 512), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, 8, hkv, 512), jnp.bfloat16))
+
+
+class RoutingTest(parameterized.TestCase):
+    def _target(self, env, caps, registered, hq=16, hkv=1):
+        environ = {ENV: env} if env is not None else {}
+        with mock.patch.dict(os.environ, environ, clear=False), \
+                mock.patch.object(attention, "cuda_capabilities", lambda: caps), \
+                mock.patch.object(attention, "_registered_targets",
+                                  lambda: frozenset(registered)):
+            if env is None:
+                os.environ.pop(ENV, None)
+            return attention._d512_target(*_shapes(hq, hkv))
+
+    def test_opt_in_on_hopper_routes_to_sm90(self):
+        self.assertEqual(self._target("1", ((9, 0),), {MMA, SM90}), SM90)
+
+    @parameterized.named_parameters(
+        ("_env_unset", None, ((9, 0),), {MMA, SM90}, 16, 1),
+        ("_env_zero", "0", ((9, 0),), {MMA, SM90}, 16, 1),
+        ("_not_built", "1", ((9, 0),), {MMA}, 16, 1),
+        ("_ampere", "1", ((8, 0),), {MMA, SM90}, 16, 1),
+        ("_mixed_gpus", "1", ((9, 0), (8, 0)), {MMA, SM90}, 16, 1),
+        ("_no_gpu", "1", (), {MMA, SM90}, 16, 1),
+        ("_groups_not_dividing_64", "1", ((9, 0),), {MMA, SM90}, 12, 4),
+    )
+    def test_otherwise_the_mma_sync_kernel(self, env, caps, registered, hq, hkv):
+        self.assertEqual(self._target(env, caps, registered, hq, hkv), MMA)
+
+    def test_target_is_a_known_flash_attention_target(self):
+        ffi.status("flash_attention", SM90)  # raises ValueError for an unknown target
+
+
+def _call(target, q, k, v, qo, ko, *, scale, causal, window):
+    b, t, hq, _ = q.shape
+    out = (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+           jax.ShapeDtypeStruct((b, hq, t), jnp.float32))
+    return jax.ffi.ffi_call(target, out)(q, k, v, jnp.int32(qo), jnp.int32(ko),
+                                         scale=np.float32(scale), causal=bool(causal),
+                                         window=np.int64(window))
+
+
+# (name, B, T, S, Hq, Hkv, causal, window, q_offset, kv_offset, scale): never tile multiples.
+CASES = (
+    ("gemma_causal_t1000", 1, 1000, 1000, 16, 1, True, 0, 0, 0, 1.0),
+    ("gemma_tail_queries", 1, 97, 1000, 16, 1, True, 0, 903, 0, 1.0),
+    ("window100_b2_gqa4", 2, 300, 333, 8, 2, True, 100, 0, 0, 0.05),
+    ("noncausal_gqa1", 1, 130, 200, 2, 2, False, 0, 0, 0, 0.05),
+    ("masked_rows_gqa2", 1, 40, 70, 2, 1, True, 0, 0, 30, 0.1),
+)
+
+
+class Sm90VersusMmaSyncGpuTest(parameterized.TestCase):
+    def setUp(self):
+        super().setUp()
+        testing.skip_unless_kernel(self, "flash_attention", SM90)
+        testing.skip_unless_kernel(self, "flash_attention", MMA)
+        if testing.compute_capability() != (9, 0):
+            self.skipTest("the sm90 kernel runs on compute capability 9.0 only")
+
+    @parameterized.named_parameters(*[(f"_{c[0]}",) + c[1:] for c in CASES])
+    def test_matches_mma_sync_kernel(self, b, t, s, hq, hkv, causal, window, qo, ko, scale):
+        seed = int.from_bytes(os.urandom(4), "little")
+        kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+        q = jax.random.normal(kq, (b, t, hq, 512), jnp.float32).astype(jnp.bfloat16)
+        k = jax.random.normal(kk, (b, s, hkv, 512), jnp.float32).astype(jnp.bfloat16)
+        v = jax.random.normal(kv, (b, s, hkv, 512), jnp.float32).astype(jnp.bfloat16)
+        kw = dict(scale=scale, causal=causal, window=window)
+        o1, l1 = jax.jit(lambda *a: _call(SM90, *a, **kw))(q, k, v, qo, ko)
+        o0, l0 = jax.jit(lambda *a: _call(MMA, *a, **kw))(q, k, v, qo, ko)
+        o1, l1, o0, l0 = (np.asarray(x, np.float32) for x in (o1, l1, o0, l0))
+        msg = f"seed={seed}"
+        self.assertTrue(np.isfinite(o1).all(), msg)
+        np.testing.assert_array_equal(np.isneginf(l1), np.isneginf(l0), msg)
+        fin = np.isfinite(l0)
+        # Both are fp32-accumulated with bf16 P: they differ by summation order and P rounding.
+        np.testing.assert_allclose(l1[fin], l0[fin], atol=2e-3, rtol=1e-4, err_msg=msg)
+        self.assertLess(float(np.abs(o1 - o0).max()), 2e-2 * max(1.0, float(np.abs(o0).max())),
+                        msg)
+        # Not vacuous: the inputs give non-trivial outputs.
+        self.assertGreater(float(np.abs(o0).max()), 1e-3, msg)
+
+    def test_env_routes_to_sm90(self):
+        q = jnp.zeros((1, 8, 16, 512), jnp.bfloat16)
+        with mock.patch.dict(os.environ, {ENV: "1"}):
+            hlo = jax.jit(lambda q: ffi.flash_attention(q, q[:, :, :1], q[:, :, :1], scale=1.0,
+                                                        causal=True)).lower(q).as_text()
+        self.assertIn(SM90, hlo)
+
+
+if __name__ == "__main__":
+    absltest.main()
