@@ -190,7 +190,7 @@ class BenchTest(absltest.TestCase):
             with contextlib.redirect_stdout(text):
                 rows = bench.main(["--model", "embedded", "--seqs", "48,32", "--backends",
                                    "mila,reference", "--reps", "1", "--chunk-size", "32",
-                                   "--no-profile"])
+                                   "--no-profile", "--memory-plan"])
             with open(os.path.join(out, "prefill.json")) as f:
                 saved = json.load(f)
         text = text.getvalue()
@@ -202,6 +202,8 @@ class BenchTest(absltest.TestCase):
             self.assertEqual(r["chunk"], 32)
             self.assertGreater(r["cache_bytes"], 0)
             self.assertGreater(r["weights_bytes"], 0)
+            if r["seq"] > 32:  # one chunk: no chunk step to plan
+                self.assertGreater(r["plan_temp_bytes"], 0)
         self.assertEqual(saved["rows"], json.loads(json.dumps(rows)))
         self.assertIn("| seq | mila tok/s | reference tok/s | mila/reference |", text)
         self.assertRegex(text, r"\| 48 \| [\d,]+ \| [\d,]+ \| [\d.]+x \|")

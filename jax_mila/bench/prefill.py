@@ -28,7 +28,9 @@ reset; the lengths run in ascending order with the same chunk, so each step's pe
 least the previous one's and the reading after a length is that length's peak (a reading
 equal to the previous one is marked as an upper bound). It includes the first call's compile
 (XLA autotuning scratch). Breakdown: weights = bytes of the model's arrays, KV cache = bytes
-of the cache prefill returns, activations/workspace = peak - weights - cache.
+of the cache prefill returns, activations/workspace = peak - weights - cache. With
+--memory-plan, XLA's own plan for one chunk step (temporary buffers of the compiled step, from
+its memory analysis) is printed beside it: steady-state activations, without compile scratch.
 
 Op split (--profile, default on): one more prefill under jax.profiler; GPU kernel time by
 name (jax_mila.bench.trace: flash d512 = global attention, d256 = local, w4a8 / activation
@@ -140,12 +142,35 @@ def _jax_worker(spec: dict) -> None:
                 row["activations_bytes"] = p - weights - row["cache_bytes"]
                 row["activation_bytes_per_token"] = row["activations_bytes"] / row["chunk"]
                 previous_peak = p
+            if spec.get("memory_plan") and row["chunk"] < length:
+                row["plan_temp_bytes"] = _chunk_step_temp_bytes(generate, model, row["chunk"], length)
             if spec["profile"]:
                 row["split_ms"], row["split_note"] = _profile(run, trace_mod)
             row["status"] = "ok"
         except Exception as e:  # noqa: BLE001 -- reported per point, the run goes on
             row["status"] = "OOM" if _is_oom(e) else f"error: {type(e).__name__}: {str(e)[:300]}"
         _emit(row)
+
+
+def _chunk_step_temp_bytes(generate, model, chunk: int, length: int) -> int | None:
+    """XLA's own plan for one chunk step: the bytes of its temporary buffers (activations and
+    workspace, weights and cache excluded), from the compiled executable's memory analysis.
+    The allocator's peak also holds what the first call's compile needed (autotuning scratch);
+    this does not, so the two together say which of them sets the peak."""
+    import jax  # noqa: PLC0415 - the worker imports jax lazily (the parent never does)
+    import jax.numpy as jnp  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    from jax_mila.gemma4 import cache as kv  # noqa: PLC0415
+
+    graphdef, state = nnx.split(model)
+    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
+    cache = jax.eval_shape(lambda: kv.empty(model.config, 1, length, model.dtype))
+    ids = jax.ShapeDtypeStruct((1, chunk), jnp.int32)
+    valid = jax.ShapeDtypeStruct((), jnp.int32)
+    analysis = generate._prefill_chunk.lower(graphdef, abstract(state), cache, ids, valid) \
+        .compile().memory_analysis()
+    return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
 def _profile(run, trace_mod):
@@ -363,10 +388,12 @@ def report(rows: list[dict], backends: list[str], seqs: list[int]) -> str:
                         _gib(r.get("peak_bytes")) + bound, _gib(r.get("weights_bytes")),
                         _gib(r.get("cache_bytes")), _gib(r.get("activations_bytes")),
                         "n/a" if r.get("activations_bytes") is None or not r.get("chunk")
-                        else f"{r['activations_bytes'] / r['chunk'] / 1024:.0f}"])
+                        else f"{r['activations_bytes'] / r['chunk'] / 1024:.0f}",
+                        _gib(r.get("plan_temp_bytes")) if r.get("plan_temp_bytes") else "-"])
     text += ["Time to first token and peak device memory (allocator statistics)",
              _table(["backend", "seq", "chunk", "TTFT ms", "first call s", "peak", "weights",
-                     "KV cache", "activations+workspace", "per chunk token KiB"], mem), ""]
+                     "KV cache", "activations+workspace", "per chunk token KiB",
+                     "XLA plan: chunk step temp"], mem), ""]
 
     from jax_mila.bench.trace import BUCKET_NAMES
 
@@ -404,6 +431,8 @@ def _parse(argv):
     p.add_argument("--quantize", choices=("w4a8", "none"), default="w4a8", help="linears (default w4a8)")
     p.add_argument("--embed-dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the op split")
+    p.add_argument("--memory-plan", action="store_true",
+                   help="also print XLA's temp-buffer plan of one chunk step (one more compile)")
     p.add_argument("--transformers-device", choices=("cuda", "cpu"), default="cuda",
                    help="where transformers runs when torch has no CUDA (default: skip it)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per backend (default 900)")
@@ -454,6 +483,7 @@ def main(argv=None) -> list[dict]:
                     memory_budget_gib=args.memory_budget_gib, reps=args.reps, warmup=args.warmup,
                     quantize=None if args.quantize == "none" else args.quantize,
                     embed_dtype=args.embed_dtype, profile=args.profile, seed=args.seed,
+                    memory_plan=args.memory_plan,
                     transformers_device=args.transformers_device)
         t = time.perf_counter()
         rows += _run_worker(spec, args.timeout)
