@@ -94,7 +94,8 @@ def _run(args) -> None:
     print(f"prompt: {length} tokens" + (f": {ids[0].tolist()}" if length <= 32 else ""))
 
     cap = length + new
-    chunking = dict(chunk_size=args.chunk_size, max_cache_len=cap)
+    chunking = dict(chunk_size=args.chunk_size, max_cache_len=cap,
+                    kv_cache_dtype=args.kv_cache_dtype)
     (logits, cache), t_first = _timed(gemma4.prefill, model, ids, progress=True, **chunking)
     del logits, cache  # one cache alive at a time, so the peak below is one prefill's
     (logits, cache), t_prefill = _timed(gemma4.prefill, model, ids, progress=True, **chunking)
@@ -240,6 +241,8 @@ def main(argv=None) -> None:
                        help="prefill in chunks of N tokens (default: sized from free device memory)")
         p.add_argument("--quantize", choices=("none", "w4a8"), default=None,
                        help="weight format (default: dense, or as stored in a converted checkpoint)")
+        p.add_argument("--kv-cache-dtype", choices=("float8_e4m3fn",), default=None,
+                       help="store the full-attention layers' K/V in FP8 (default: the model dtype)")
     sub.add_parser("selftest", help="run each op once against its reference (jax_mila.selftest)")
     p = sub.add_parser("bench", help="benchmarks: prefill (end to end), or a kernel benchmark",
                        description=_bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -178,6 +178,30 @@ class ChunkedPrefillTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "chunk_size must be >= 1"):
             gemma4.prefill(tiny_model(), jnp.ones((1, 4), jnp.int32), chunk_size=0)
 
+    @parameterized.parameters(4, None)  # chunked, and a prompt that fits one default chunk
+    def test_fp8_cache_for_full_layers(self, chunk):
+        model = tiny_model(seed=3)
+        ids = prompt(3, 13)
+        want, ref_cache = gen.prefill(model, ids, chunk_size=chunk)
+        got, cache = gen.prefill(model, ids, chunk_size=chunk, kv_cache_dtype="float8_e4m3fn")
+        for spec, k, v in zip(model.config.layers, cache.keys, cache.values):
+            if k is not None:
+                want_dtype = model.dtype if spec.is_sliding else jnp.float8_e4m3fn
+                self.assertEqual((k.dtype, v.dtype), (jnp.dtype(want_dtype),) * 2, spec)
+        # e4m3 keeps 3 mantissa bits of the normed K and V: close, not equal (a wrongly placed
+        # key, or an overflow to NaN, would not be close).
+        a, b = np.asarray(want, np.float32), np.asarray(got, np.float32)
+        cos = np.sum(a * b, -1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+        self.assertGreater(float(cos.min()), 0.99)
+        self.assertFalse(np.array_equal(a, b), "the FP8 cache changed nothing: not in use?")
+        tokens = gen.generate(model, ids, NEW_TOKENS, chunk_size=chunk,
+                              kv_cache_dtype="float8_e4m3fn")  # decode reads and appends FP8
+        self.assertEqual(tokens.shape, (2, NEW_TOKENS))
+
+    def test_bad_kv_cache_dtype(self):
+        with self.assertRaisesRegex(ValueError, "'int8' is not supported .*float8_e4m3fn"):
+            gemma4.prefill(tiny_model(), jnp.ones((1, 4), jnp.int32), kv_cache_dtype="int8")
+
 
 class ChunkedCliTest(absltest.TestCase):
     """`python -m jax_mila prefill|generate --chunk-size N` on the embedded checkpoint."""

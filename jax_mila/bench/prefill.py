@@ -113,7 +113,8 @@ def _jax_worker(spec: dict) -> None:
         ids = jnp.asarray(rng.integers(3, model.config.vocab_size, (1, length), dtype=np.int32))
 
         def run():
-            out = generate.prefill(model, ids, chunk_size=row["chunk"])
+            out = generate.prefill(model, ids, chunk_size=row["chunk"],
+                                   kv_cache_dtype=spec.get("kv_cache_dtype"))
             jax.block_until_ready(out)
             return out
 
@@ -143,7 +144,8 @@ def _jax_worker(spec: dict) -> None:
                 row["activation_bytes_per_token"] = row["activations_bytes"] / row["chunk"]
                 previous_peak = p
             if spec.get("memory_plan") and row["chunk"] < length:
-                row["plan_temp_bytes"] = _chunk_step_temp_bytes(generate, model, row["chunk"], length)
+                row["plan_temp_bytes"] = _chunk_step_temp_bytes(generate, model, row["chunk"], length,
+                                                                spec.get("kv_cache_dtype"))
             if spec["profile"]:
                 row["split_ms"], row["split_note"] = _profile(run, trace_mod)
             row["status"] = "ok"
@@ -152,7 +154,7 @@ def _jax_worker(spec: dict) -> None:
         _emit(row)
 
 
-def _chunk_step_temp_bytes(generate, model, chunk: int, length: int) -> int | None:
+def _chunk_step_temp_bytes(generate, model, chunk: int, length: int, kv_cache_dtype) -> int | None:
     """XLA's own plan for one chunk step: the bytes of its temporary buffers (activations and
     workspace, weights and cache excluded), from the compiled executable's memory analysis.
     The allocator's peak also holds what the first call's compile needed (autotuning scratch);
@@ -165,7 +167,8 @@ def _chunk_step_temp_bytes(generate, model, chunk: int, length: int) -> int | No
 
     graphdef, state = nnx.split(model)
     abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
-    cache = jax.eval_shape(lambda: kv.empty(model.config, 1, length, model.dtype))
+    cache = jax.eval_shape(lambda: kv.empty(model.config, 1, length, model.dtype,
+                                            full_dtype=kv_cache_dtype))
     ids = jax.ShapeDtypeStruct((1, chunk), jnp.int32)
     valid = jax.ShapeDtypeStruct((), jnp.int32)
     analysis = generate._prefill_chunk.lower(graphdef, abstract(state), cache, ids, valid) \
@@ -431,6 +434,8 @@ def _parse(argv):
     p.add_argument("--quantize", choices=("w4a8", "none"), default="w4a8", help="linears (default w4a8)")
     p.add_argument("--embed-dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the op split")
+    p.add_argument("--kv-cache-dtype", choices=("float8_e4m3fn",), default=None,
+                   help="full-attention layers' K/V in FP8 (jax_mila backends)")
     p.add_argument("--memory-plan", action="store_true",
                    help="also print XLA's temp-buffer plan of one chunk step (one more compile)")
     p.add_argument("--transformers-device", choices=("cuda", "cpu"), default="cuda",
@@ -483,7 +488,7 @@ def main(argv=None) -> list[dict]:
                     memory_budget_gib=args.memory_budget_gib, reps=args.reps, warmup=args.warmup,
                     quantize=None if args.quantize == "none" else args.quantize,
                     embed_dtype=args.embed_dtype, profile=args.profile, seed=args.seed,
-                    memory_plan=args.memory_plan,
+                    memory_plan=args.memory_plan, kv_cache_dtype=args.kv_cache_dtype,
                     transformers_device=args.transformers_device)
         t = time.perf_counter()
         rows += _run_worker(spec, args.timeout)

@@ -76,6 +76,8 @@ class Gemma4Attention(nnx.Module):
                 k_buf, v_buf, k, v, kv_offset = kv.chunk_update(*entry, k, v, offset, valid,
                                                                 ring=ring is not None)
                 new_entry = (k_buf, v_buf)
+        if k.dtype != q.dtype:  # an FP8 cache (cache.py): attention reads the model's dtype
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
         kq, vq = kv_heads_for_local_queries(k, v, num_heads=self.num_heads,
                                             num_kv_heads=self.num_kv_heads, local_q_heads=q.shape[2])
         o = self.attn(q, kq, vq, window=self.window, q_offset=offset, kv_offset=kv_offset)

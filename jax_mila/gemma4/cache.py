@@ -17,6 +17,12 @@ Attention reads a cache through the position-offset contract of jax_mila.ffi.fla
 
 Chunked prefill (``chunk_update``) processes T > 1 tokens at positions p .. p+T-1 per step; see
 there for the slab a ring layer attends over.
+
+Storage: the model's dtype, or for full-attention layers optionally float8_e4m3fn
+(``empty(..., full_dtype=...)``): those are the buffers that grow with the sequence. K and V
+are RMS-normed (K then rotated) before they are cached, so their values sit far inside e4m3's
+range and are stored without a scale; attention reads them back in the model's dtype. The
+rings of sliding layers are bounded by the window and stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -46,8 +52,17 @@ def ring_size(window: int, max_len: int) -> int:
     return min(window, max_len)
 
 
-def empty(cfg, batch: int, max_len: int, dtype) -> KVCache:
-    """A zero cache of capacity ``max_len`` at length 0 (the start of a chunked prefill)."""
+FULL_LAYER_DTYPES = (None, "float8_e4m3fn")  # None: the model's dtype
+
+
+def empty(cfg, batch: int, max_len: int, dtype, *, full_dtype=None) -> KVCache:
+    """A zero cache of capacity ``max_len`` at length 0 (the start of a chunked prefill);
+    full-attention layers' buffers in ``full_dtype`` when given (see the module docstring)."""
+    if full_dtype is not None and jnp.dtype(full_dtype) == jnp.dtype(dtype):
+        full_dtype = None
+    if full_dtype is not None and jnp.dtype(full_dtype) != jnp.dtype(jnp.float8_e4m3fn):
+        raise ValueError(f"kv cache dtype for full-attention layers: {full_dtype!r} is not "
+                         f"supported (supported: the model's dtype, or 'float8_e4m3fn')")
     keys, values = [], []
     for spec in cfg.layers:
         if spec.is_kv_shared:
@@ -55,7 +70,8 @@ def empty(cfg, batch: int, max_len: int, dtype) -> KVCache:
             continue
         slots = ring_size(cfg.sliding_window, max_len) if spec.is_sliding else max_len
         shape = (batch, slots, spec.num_kv_heads, spec.head_dim)
-        keys.append(jnp.zeros(shape, dtype)), values.append(jnp.zeros(shape, dtype))
+        buf = dtype if spec.is_sliding or full_dtype is None else full_dtype
+        keys.append(jnp.zeros(shape, buf)), values.append(jnp.zeros(shape, buf))
     return KVCache(keys=tuple(keys), values=tuple(values), length=jnp.int32(0), max_len=max_len)
 
 

@@ -109,7 +109,7 @@ def default_chunk_size(model: Gemma4ForCausalLM, batch: int, max_len: int, *,
 
 
 def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = None,
-            max_cache_len: int | None = None, progress: bool = False):
+            max_cache_len: int | None = None, progress: bool = False, kv_cache_dtype=None):
     """Runs the prompt [B, S]; returns (logits of the last position [B, vocab], KVCache).
 
     ``max_cache_len`` (default S) is the number of positions the cache can hold in total,
@@ -120,7 +120,11 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
     The last chunk is padded to chunk_size (padding is never written to the cache and comes
     after every real query), so one compiled step serves every chunk and prompt length.
     None: ``default_chunk_size``; a prompt that fits in one such chunk runs in one call without
-    padding (compiled per prompt length). ``progress`` shows a tqdm bar over the chunks."""
+    padding (compiled per prompt length). ``progress`` shows a tqdm bar over the chunks.
+
+    ``kv_cache_dtype="float8_e4m3fn"`` stores the full-attention layers' K/V (the part of the
+    cache that grows with the sequence) in FP8, half the bytes (accuracy: docs/notes_model.md);
+    the prompt then always runs through the chunked step."""
     ids = _ids(input_ids)
     batch, length = ids.shape
     max_len = length if max_cache_len is None else int(max_cache_len)
@@ -131,10 +135,12 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
     graphdef, state = nnx.split(model)
     size = default_chunk_size(model, batch, max_len) if chunk_size is None else int(chunk_size)
     if chunk_size is None and length <= size:
-        return _prefill(graphdef, state, ids, max_len)
+        if kv_cache_dtype is None:
+            return _prefill(graphdef, state, ids, max_len)
+        size = length  # one chunk, so the cache is built in its storage dtype
     chunks = -(-length // size)
     padded = jnp.pad(ids, ((0, 0), (0, chunks * size - length)))  # pad id 0, never cached
-    cache = kv.empty(model.config, batch, max_len, model.dtype)
+    cache = kv.empty(model.config, batch, max_len, model.dtype, full_dtype=kv_cache_dtype)
     steps = range(chunks)
     if progress:
         from tqdm.auto import tqdm
@@ -162,11 +168,12 @@ def decode(model: Gemma4ForCausalLM, token, cache: KVCache, steps: int):
 
 def generate(model: Gemma4ForCausalLM, input_ids, max_new_tokens: int, *,
              cache: KVCache | None = None, logits: jax.Array | None = None,
-             chunk_size: int | None = None, progress: bool = False) -> jax.Array:
+             chunk_size: int | None = None, progress: bool = False,
+             kv_cache_dtype=None) -> jax.Array:
     """Greedy continuation of ``input_ids`` [B, S]: returns the new token ids [B, max_new_tokens].
 
-    Without ``cache``, runs ``prefill`` first (sized for S + max_new_tokens; ``chunk_size`` and
-    ``progress`` are passed to it). To continue an
+    Without ``cache``, runs ``prefill`` first (sized for S + max_new_tokens; ``chunk_size``,
+    ``progress`` and ``kv_cache_dtype`` are passed to it). To continue an
     existing prefill, pass its ``logits`` and ``cache`` (its capacity must cover the new
     tokens; it is donated). There is no early stop at EOS: exactly max_new_tokens come back.
     """
@@ -177,7 +184,8 @@ def generate(model: Gemma4ForCausalLM, input_ids, max_new_tokens: int, *,
         raise ValueError("pass both the cache and the last logits of a prefill, or neither")
     if cache is None:
         logits, cache = prefill(model, ids, chunk_size=chunk_size, progress=progress,
-                                max_cache_len=ids.shape[1] + max_new_tokens)
+                                max_cache_len=ids.shape[1] + max_new_tokens,
+                                kv_cache_dtype=kv_cache_dtype)
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if max_new_tokens == 1:
         return first[:, None]
