@@ -100,6 +100,20 @@ class TensorParallelTest(parameterized.TestCase):
         self.assertEqual(n_reduce, 2 * model.config.num_hidden_layers, "one per attention + MLP")
         self.assertNotRegex(hlo, "all-gather", "a weight (or activation) was gathered")
 
+    @parameterized.parameters(2, 4)
+    def test_chunked_prefill_with_a_mesh(self, tp):
+        seed = _seed()
+        model = gemma4.Gemma4ForCausalLM(_config(), dtype=jnp.float32, rngs=nnx.Rngs(seed))
+        ids = jax.random.randint(jax.random.key(seed), (2, 13), 0, 256)
+        want, want_cache = gemma4.prefill(model, ids, chunk_size=4)
+        got, cache = gemma4.prefill(model, ids, chunk_size=4, mesh=_mesh(tp))
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5, err_msg=f"seed={seed}")
+        self.assertEqual(int(cache.length), 13)
+        for spec, k, k_want in zip(model.config.layers, cache.keys, want_cache.keys):
+            split = spec.num_kv_heads % tp == 0
+            self.assertEqual(k.sharding.spec, P(None, None, "heads") if split else P(), spec)
+            np.testing.assert_allclose(k, k_want, atol=1e-5, rtol=1e-5)
+
     def test_unsupported_configs_are_refused(self):
         with self.assertRaisesRegex(ValueError, "3 query heads do not divide evenly"):
             tensor.check_config(_config(num_attention_heads=3, num_key_value_heads=1), 2)

@@ -31,15 +31,20 @@ def _prefill(graphdef, state, input_ids, max_len):
     return model.logits(h[:, -1]), cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _prefill_chunk(graphdef, state, cache, input_ids, valid):
+def chunk_forward(model, cache, input_ids, valid):
     """One chunk [B, T] at positions cache.length + arange(T); its first ``valid`` tokens are
-    real. Position and valid length are traced, so every chunk of a prompt (the padded last
-    one included) runs the same compiled step. Returns (logits of the last real token, cache)."""
-    model = nnx.merge(graphdef, state)
+    real. Returns (logits of the last real token, cache). Shared by the single-device step
+    below and the tensor-parallel one (jax_mila.parallel.tensor)."""
     h, cache = model.hidden_states(input_ids, mode="chunk", cache=cache, valid=valid)
     last = jax.lax.dynamic_index_in_dim(h, valid - 1, axis=1, keepdims=False)
     return model.logits(last), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def _prefill_chunk(graphdef, state, cache, input_ids, valid):
+    """``chunk_forward`` as one jitted step. Position and valid length are traced, so every
+    chunk of a prompt (the padded last one included) runs the same compiled step."""
+    return chunk_forward(nnx.merge(graphdef, state), cache, input_ids, valid)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("cache",))
@@ -109,7 +114,8 @@ def default_chunk_size(model: Gemma4ForCausalLM, batch: int, max_len: int, *,
 
 
 def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = None,
-            max_cache_len: int | None = None, progress: bool = False, kv_cache_dtype=None):
+            max_cache_len: int | None = None, progress: bool = False, kv_cache_dtype=None,
+            mesh=None, tp_axis: str = "heads"):
     """Runs the prompt [B, S]; returns (logits of the last position [B, vocab], KVCache).
 
     ``max_cache_len`` (default S) is the number of positions the cache can hold in total,
@@ -124,7 +130,11 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
 
     ``kv_cache_dtype="float8_e4m3fn"`` stores the full-attention layers' K/V (the part of the
     cache that grows with the sequence) in FP8, half the bytes (accuracy: docs/notes_model.md);
-    the prompt then always runs through the chunked step."""
+    the prompt then always runs through the chunked step.
+
+    ``mesh``: a jax.sharding.Mesh with a ``tp_axis`` axis: tensor parallelism (query heads, MLP
+    and their weights split over that axis, jax_mila.parallel.tensor; the cache comes back
+    sharded the same way). The prompt then always runs through the chunked step."""
     ids = _ids(input_ids)
     batch, length = ids.shape
     max_len = length if max_cache_len is None else int(max_cache_len)
@@ -135,12 +145,17 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
     graphdef, state = nnx.split(model)
     size = default_chunk_size(model, batch, max_len) if chunk_size is None else int(chunk_size)
     if chunk_size is None and length <= size:
-        if kv_cache_dtype is None:
+        if kv_cache_dtype is None and mesh is None:
             return _prefill(graphdef, state, ids, max_len)
-        size = length  # one chunk, so the cache is built in its storage dtype
+        size = length  # one chunk, through the chunked step
     chunks = -(-length // size)
     padded = jnp.pad(ids, ((0, 0), (0, chunks * size - length)))  # pad id 0, never cached
     cache = kv.empty(model.config, batch, max_len, model.dtype, full_dtype=kv_cache_dtype)
+    step = functools.partial(_prefill_chunk, graphdef)
+    if mesh is not None:
+        from jax_mila.parallel import tensor  # noqa: PLC0415 - only for multi-device prefill
+
+        step, state, cache = tensor.sharded_chunk_step(model, state, cache, mesh, tp_axis)
     steps = range(chunks)
     if progress:
         from tqdm.auto import tqdm
@@ -148,7 +163,7 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
         steps = tqdm(steps, unit="chunk", desc=f"prefill ({size} tokens/chunk)")
     for c in steps:
         valid = jnp.int32(min(size, length - c * size))
-        logits, cache = _prefill_chunk(graphdef, state, cache, padded[:, c * size:(c + 1) * size], valid)
+        logits, cache = step(state, cache, padded[:, c * size:(c + 1) * size], valid)
         if progress:  # otherwise the bar would count asynchronous dispatches, not finished chunks
             logits.block_until_ready()
     return logits, cache

@@ -154,3 +154,49 @@ def forward(model, input_ids, mesh, *, axis: str = "heads"):
 
     run = jax.shard_map(body, mesh=mesh, in_specs=(specs, P()), out_specs=P())
     return jax.jit(run)(state, input_ids)
+
+
+def cache_specs(cache, cfg, *, axis: str, axis_size: int):
+    """PartitionSpecs of a KVCache: a layer's K/V heads split like its k_proj (else replicated)."""
+    def layer_spec(spec, buf):
+        if buf is None:
+            return None
+        return P(None, None, axis, None) if spec.num_kv_heads % axis_size == 0 else P()
+
+    keys = tuple(layer_spec(s, k) for s, k in zip(cfg.layers, cache.keys))
+    values = tuple(layer_spec(s, v) for s, v in zip(cfg.layers, cache.values))
+    return type(cache)(keys=keys, values=values, length=P(), max_len=cache.max_len)
+
+
+def _named(mesh, specs):
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def sharded_chunk_step(model, state, cache, mesh, axis: str = "heads"):
+    """The chunked-prefill step under tensor parallelism: returns (step, state, cache) with the
+    weights and the cache placed on `mesh` (each device receives only its slices) and
+    step(state, cache, ids, valid) -> (last logits, cache), the cache donated."""
+    from flax import nnx  # noqa: PLC0415
+
+    from jax_mila.gemma4.generate import chunk_forward  # noqa: PLC0415 - generate imports us
+
+    cfg = model.config
+    size = mesh.shape[axis]
+    check_config(cfg, size)
+    graphdef = nnx.graphdef(model)
+    specs = param_specs(state, axis=axis, axis_size=size,
+                        num_kv_heads_of_layer=lambda i: cfg.layers[i].num_kv_heads)
+    cspecs = cache_specs(cache, cfg, axis=axis, axis_size=size)
+    state = jax.device_put(state, _named(mesh, specs))
+    cache = jax.device_put(cache, _named(mesh, cspecs))
+
+    def body(state, cache, ids, valid):
+        with tensor_parallel(axis):
+            return chunk_forward(nnx.merge(graphdef, state), cache, ids, valid)
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, cspecs, P(), P()),
+                                 out_specs=(P(), cspecs)), donate_argnums=1)
+    return step, state, cache
