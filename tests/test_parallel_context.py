@@ -87,3 +87,48 @@ class ContextParallelTest(parameterized.TestCase):
 
 if __name__ == "__main__":
     absltest.main()
+
+
+class ContextParallelModelTest(parameterized.TestCase):
+    """The whole Gemma 4 forward with the sequence (and optionally the heads) split."""
+
+    def setUp(self):
+        super().setUp()
+        if len(jax.devices("cpu")) < 4:
+            self.skipTest("needs 4 CPU devices (tests/conftest.py sets jax_num_cpu_devices)")
+
+    def _model(self, seed):
+        from flax import nnx
+        from jax_mila import gemma4
+        from jax_mila.gemma4.config import Gemma4Config
+        s, f = "sliding_attention", "full_attention"
+        # 12B-like: K=V global layers with one KV head; a window of 4 (halo 3 <= chunk 3).
+        raw = dict(model_type="gemma4_text", vocab_size=256, hidden_size=256,
+                   intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, global_head_dim=128,
+                   num_global_key_value_heads=1, attention_k_eq_v=True, layer_types=[s, s, f],
+                   sliding_window=4, final_logit_softcapping=30.0, hidden_size_per_layer_input=0)
+        return gemma4.Gemma4ForCausalLM(Gemma4Config.from_dict(raw), dtype=jnp.float32,
+                                        rngs=nnx.Rngs(seed))
+
+    @parameterized.named_parameters(
+        ("seq2", (2,), ("seq",), None), ("seq4", (4,), ("seq",), None),
+        ("heads2_x_seq2", (2, 2), ("heads", "seq"), "heads"))
+    def test_logits_equal_single_device(self, shape, names, heads_axis):
+        seed = _seed()
+        model = self._model(seed)
+        ids = jax.random.randint(jax.random.key(seed), (2, 24), 0, 256)
+        want = model(ids)
+        mesh = Mesh(np.array(jax.devices("cpu")[:int(np.prod(shape))]).reshape(shape), names)
+        got = parallel.forward(model, ids, mesh, heads_axis=heads_axis, seq_axis="seq")
+        # float32; the ring merges partial softmax results through exp/log (observed 1.7e-5
+        # on logits of magnitude up to 30)
+        scale = float(jnp.max(jnp.abs(want)))
+        np.testing.assert_allclose(got, want, atol=1e-6 * scale, rtol=1e-5, err_msg=f"seed={seed}")
+
+    def test_sequence_must_split_into_chunks(self):
+        model = self._model(0)
+        mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("seq",))
+        with self.assertRaisesRegex(ValueError, "multiple of 2 x devices on the axis = 8; got 12"):
+            parallel.forward(model, jnp.zeros((1, 12), jnp.int32), mesh, heads_axis=None,
+                             seq_axis="seq")

@@ -20,6 +20,7 @@ from jax_mila import nn
 from jax_mila.gemma4 import cache as kv
 from jax_mila.gemma4.config import Gemma4Config, LayerSpec
 from jax_mila.gemma4.rope import apply_rope
+from jax_mila.parallel import context as cp
 from jax_mila.parallel.tensor import kv_heads_for_local_queries, reduce_partial_sums
 
 # What attention reads: (k, v, kv_offset). Shared layers receive their source's view.
@@ -80,6 +81,9 @@ class Gemma4Attention(nnx.Module):
             k, v = k.astype(q.dtype), v.astype(q.dtype)
         kq, vq = kv_heads_for_local_queries(k, v, num_heads=self.num_heads,
                                             num_kv_heads=self.num_kv_heads, local_q_heads=q.shape[2])
-        o = self.attn(q, kq, vq, window=self.window, q_offset=offset, kv_offset=kv_offset)
+        if cp.active_axis() is not None:  # sequence sharded over devices (mode "full" only)
+            o = cp.layer_attention(q, kq, vq, self.attn, window=self.window)
+        else:
+            o = self.attn(q, kq, vq, window=self.window, q_offset=offset, kv_offset=kv_offset)
         out = reduce_partial_sums(self.o_proj(o.reshape(b, t, -1)))  # o_proj: row-parallel
         return out, (k, v, kv_offset), new_entry

@@ -28,6 +28,7 @@ from jax_mila.gemma4.config import Gemma4Config, LayerSpec
 from jax_mila.gemma4.mlp import Gemma4MLP, gelu_tanh
 from jax_mila.gemma4.moe import Gemma4Experts, Gemma4Router
 from jax_mila.gemma4.rope import rope_tables
+from jax_mila.parallel import context as cp
 
 MODES = ("full", "prefill", "decode", "chunk")
 
@@ -156,7 +157,12 @@ class Gemma4ForCausalLM(nnx.Module):
         offset = cache.length if cached else jnp.int32(0)
         max_len = cache.max_len if cached else max_len
         valid = t if valid is None else valid
-        positions = offset + jnp.arange(t, dtype=jnp.int32)
+        if cp.active_axis() is not None:  # this device's slice of a zig-zag sharded sequence
+            if mode != "full":
+                raise ValueError(f"context parallelism runs mode 'full' only, got {mode!r}")
+            positions = cp.local_positions(t)
+        else:
+            positions = offset + jnp.arange(t, dtype=jnp.int32)
         h = self.embed_tokens(input_ids)
         ple = self.per_layer_inputs(input_ids, h) if cfg.has_ple else None
         tables = {lt: rope_tables(spec, positions, self.dtype) for lt, spec in cfg.rope.items()}

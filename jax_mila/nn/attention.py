@@ -63,9 +63,13 @@ class Attention(nnx.Module):
         self.backend = check_backend(backend)
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
-                 q_offset=0, kv_offset=0) -> jax.Array:
+                 q_offset=0, kv_offset=0, return_lse: bool = False):
+        """o [B, T, Hq, D]; with return_lse=True also the float32 log-sum-exp [B, Hq, T] (what
+        context parallelism merges partial results with, jax_mila/parallel/context.py)."""
         kwargs = dict(scale=self.scale, causal=True, window=window, q_offset=q_offset,
                       kv_offset=kv_offset)
+        if return_lse:
+            kwargs["return_lse"] = True
         if self.backend != "reference":
             reason = kernel_unsupported_reason(q, k, v, window)
             if reason is None:

@@ -4,8 +4,11 @@ exchange for sliding windows; jax_mila.parallel.context)."""
 
 from jax_mila.parallel.context import (halo_window_attention, ring_attention, zigzag_inverse,
                                        zigzag_order)
+from jax_mila.parallel.context import context_parallel
+from jax_mila.parallel.sharded import forward
 from jax_mila.parallel.tensor import forward as tensor_parallel_forward
 from jax_mila.parallel.tensor import param_specs, tensor_parallel
 
-__all__ = ["halo_window_attention", "param_specs", "ring_attention", "tensor_parallel",
-           "tensor_parallel_forward", "zigzag_inverse", "zigzag_order"]
+__all__ = ["context_parallel", "forward", "halo_window_attention", "param_specs",
+           "ring_attention", "tensor_parallel", "tensor_parallel_forward", "zigzag_inverse",
+           "zigzag_order"]

@@ -25,9 +25,51 @@ Both functions run inside `jax.shard_map` with the sequence axis of q, k, v shar
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+_AXIS = contextvars.ContextVar("jax_mila_context_parallel_axis", default=None)
+
+
+@contextlib.contextmanager
+def context_parallel(axis: str):
+    """Within this context (while tracing inside shard_map with the sequence sharded over
+    `axis` in zig-zag order), the Gemma 4 model takes its positions from the layout and runs
+    its attention layers as ring (causal) or halo (sliding window) attention."""
+    token = _AXIS.set(axis)
+    try:
+        yield
+    finally:
+        _AXIS.reset(token)
+
+
+def active_axis() -> str | None:
+    return _AXIS.get()
+
+
+def local_positions(local_len: int) -> jax.Array:
+    """Positions of this device's tokens in the zig-zag layout (inside context_parallel)."""
+    axis = _AXIS.get()
+    p, i = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    c = local_len // 2
+    r = jnp.arange(c, dtype=jnp.int32)
+    return jnp.concatenate([i * c + r, (2 * p - 1 - i) * c + r])
+
+
+def layer_attention(q, k, v, attn, *, window):
+    """Attention of the local zig-zag slices through `attn` (an nn.Attention: its backend and
+    scale): ring attention for causal layers, halo exchange for sliding windows."""
+    axis = _AXIS.get()
+    # attn is always causal and owns the scale; the ring and halo pass both.
+    fn = lambda q, k, v, *, scale, causal, **kw: attn(q, k, v, **kw)  # noqa: E731
+    if window is None:
+        return ring_attention(q, k, v, fn, axis_name=axis)
+    return halo_window_attention(q, k, v, fn, axis_name=axis, window=window)
 
 
 def zigzag_order(seq_len: int, axis_size: int) -> np.ndarray:

@@ -137,23 +137,10 @@ def check_config(cfg, axis_size: int) -> None:
 
 def forward(model, input_ids, mesh, *, axis: str = "heads"):
     """Logits of `model(input_ids)` with the model's heads and MLP split over `axis` of `mesh`
-    (weights placed by `param_specs`, one all-reduce per attention block and per MLP).
-    Other mesh axes replicate."""
-    from flax import nnx  # noqa: PLC0415 - keep the module importable without flax at the top
+    (jax_mila.parallel.sharded.forward with the sequence unsplit)."""
+    from jax_mila.parallel import sharded  # noqa: PLC0415 - sharded imports this module
 
-    cfg = model.config
-    size = mesh.shape[axis]
-    check_config(cfg, size)
-    graphdef, state = nnx.split(model)
-    specs = param_specs(state, axis=axis, axis_size=size,
-                        num_kv_heads_of_layer=lambda i: cfg.layers[i].num_kv_heads)
-
-    def body(state, ids):
-        with tensor_parallel(axis):
-            return nnx.merge(graphdef, state)(ids)
-
-    run = jax.shard_map(body, mesh=mesh, in_specs=(specs, P()), out_specs=P())
-    return jax.jit(run)(state, input_ids)
+    return sharded.forward(model, input_ids, mesh, heads_axis=axis, seq_axis=None)
 
 
 def cache_specs(cache, cfg, *, axis: str, axis_size: int):
