@@ -6,8 +6,8 @@
 #   SANITIZE="memcheck racecheck" SANITIZE_OPS=d512 \
 #   BENCH="benchmarks/attention.py --only d512" bash scripts/gpu_dev.sh
 #
-# TESTS are pytest arguments quoted as in a shell; SANITIZE_OPS picks from scripts/sanitize_kernels.py; BENCH may hold several
-# benchmark commands separated by ';'.
+# TESTS are pytest arguments quoted as in a shell; SANITIZE_OPS picks op groups of
+# scripts/sanitize_kernels.py; BENCH may hold several benchmark commands separated by ';'.
 set -uo pipefail
 export JAX_MILA_CUDA_ARCHS=${JAX_MILA_CUDA_ARCHS:-90a}
 export SANITIZE=${SANITIZE:-}
