@@ -28,6 +28,7 @@ from flax import nnx
 from jax_mila import ffi, reference
 from jax_mila.ffi._registry import log_fallback
 from jax_mila.nn.backend import check_backend
+from jax_mila.parallel.tensor import active_axis as tensor_parallel_axis
 from jax_mila.quant.mxfp4 import MXFP4Weight, quantize_mxfp4
 
 QUANTIZE_MODES = (None, "w4a8")
@@ -159,7 +160,15 @@ class Linear(nnx.Module):
         # layer holds a slice of its weight (jax_mila/parallel/tensor.py).
         w = self.mxfp4
         rows = x.astype(jnp.bfloat16).reshape(-1, x.shape[-1])
-        q, s = ops.quantize_activations(rows)
+        axis = tensor_parallel_axis()
+        if axis is not None and x.shape[-1] != self.in_features:
+            # Row-parallel under tensor parallelism: this device holds a slice of each row. Scale
+            # it by the whole row's amax (one pmax), so the FP8 codes and the partial sums are
+            # those of one device; the quantizer is then XLA's (fused), not the kernel.
+            amax = jax.lax.pmax(jnp.max(jnp.abs(rows.astype(jnp.float32)), axis=-1), axis)
+            q, s = reference.quantize_activations(rows, amax=amax)
+        else:
+            q, s = ops.quantize_activations(rows)
         out_dtype = self.dtype if jnp.dtype(self.dtype) == jnp.dtype(jnp.bfloat16) else jnp.float32
         y = ops.w4a8_matmul(q, s, w, out_dtype=out_dtype)
         return y.reshape(*lead, w.shape[0]).astype(self.dtype)

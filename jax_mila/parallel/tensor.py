@@ -73,7 +73,11 @@ def kv_heads_for_local_queries(k, v, *, num_heads: int, num_kv_heads: int,
     return pick(k), pick(v)
 
 
-def _leaf_spec(path: tuple[str, ...], ndim: int, axis: str, split_kv: bool) -> P:
+MXFP4_K_GROUP = 128  # the W4A8 kernel's K tile: a row-parallel shard must keep whole groups
+
+
+def _leaf_spec(path: tuple[str, ...], shape: tuple, axis: str, axis_size: int,
+               split_kv: bool) -> P:
     names = [str(p) for p in path if str(p) not in ("", "value")]  # nnx.Variable's own levels
     module = next((n for n in reversed(names) if n.endswith("_proj")), None)
     leaf = names[-1]
@@ -85,11 +89,15 @@ def _leaf_spec(path: tuple[str, ...], ndim: int, axis: str, split_kv: bool) -> P
     if leaf == "kernel":  # dense [in, out]
         return P(None, axis) if column else P(axis, None)
     if leaf in ("packed", "scales"):  # MXFP4 [out, K / 2] and [out, K / 32]
+        if not column and leaf == "packed" and (2 * shape[1] // axis_size) % MXFP4_K_GROUP:
+            raise ValueError(f"tensor parallel over {axis_size} devices: {'.'.join(names[:-1])} "
+                             f"has K={2 * shape[1]}; its W4A8 slices need K / {axis_size} to be "
+                             f"a multiple of {MXFP4_K_GROUP}")
         return P(axis, None) if column else P(None, axis)
     if leaf == "channel_exp":  # [out]
         return P(axis) if column else P()
     raise ValueError(f"tensor parallel: no sharding rule for parameter {'.'.join(names)} "
-                     f"(rank {ndim})")
+                     f"(shape {list(shape)})")
 
 
 def _key_name(key) -> str:
@@ -109,7 +117,8 @@ def param_specs(state, *, axis: str, axis_size: int, num_kv_heads_of_layer):
         if "layers" in names:
             layer = int(names[names.index("layers") + 1])
             split_kv = num_kv_heads_of_layer(layer) % axis_size == 0
-        return _leaf_spec(tuple(names), getattr(leaf, "ndim", 0), axis, split_kv)
+        return _leaf_spec(tuple(names), tuple(getattr(leaf, "shape", ())), axis, axis_size,
+                          split_kv)
 
     return jax.tree_util.tree_map_with_path(
         lambda path, leaf: spec(tuple(_key_name(k) for k in path), leaf),

@@ -20,10 +20,14 @@ INV_E4M3_MAX = 1.0 / 448.0  # rounded to float32 where used
 QUANT_MIN_AMAX = 2.0**-112
 
 
-def quantize_activations(x):
-    """x: [..., K] -> (q float8_e4m3fn [..., K], scale float32 [...])."""
+def quantize_activations(x, *, amax=None):
+    """x: [..., K] -> (q float8_e4m3fn [..., K], scale float32 [...]).
+
+    ``amax`` [...] overrides the rows' own max |x|: a slice of a row (tensor parallelism) then
+    quantizes exactly as the whole row would (jax_mila/nn/linear.py)."""
     x32 = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x32), axis=-1)
+    if amax is None:
+        amax = jnp.max(jnp.abs(x32), axis=-1)
     zero_row = amax < QUANT_MIN_AMAX
     safe_amax = jnp.where(zero_row, jnp.float32(1.0), amax)
     inv_scale = jnp.where(zero_row, jnp.float32(0.0), jnp.float32(E4M3_MAX) / safe_amax)
