@@ -118,6 +118,7 @@ constexpr int kOffV = kOffK + kTileBytes;
 constexpr int kOffRed = kOffV + kTileBytes;              // float4 [2][8][128]
 constexpr int kOffBar = kOffRed + 2 * 8 * 128 * 16;      // 5 x uint64
 constexpr int kSmemBytes = kOffBar + 5 * 8 + 1024;       // + slack to align the base
+static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory per block is 227 KB");
 // setmaxnreg targets per variant (ptxas allocates each role's code within its target): the
 // sum 128 x producer + 256 x consumer must stay 64,512 = 384 x 168 (the launch allocation).
 // kCluster 1: 24 / 240 (the consumers spill at 232); kCluster 2: 40 / 232 (its multicast

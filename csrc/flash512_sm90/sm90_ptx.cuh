@@ -202,12 +202,12 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(desc_a), "l"(desc_b), "n"(kAccumulate ? 1 : 0));
 #else
-
-// O[64 x 256] += P[64 x 16] * V[16 x 256]: P from registers (the m16n8k16 A-fragment layout
-// per warp, warp w holding rows 16w..16w+15), V from shared memory MN-major (imm-trans-b = 1).
+  __trap();
 #endif
 }
 
+// O[64 x 256] += P[64 x 16] * V[16 x 256]: P from registers (the m16n8k16 A-fragment layout
+// per warp, warp w holding rows 16w..16w+15), V from shared memory MN-major (imm-trans-b = 1).
 __device__ __forceinline__ void wgmma_m64n256k16_rs_tb(float (&d)[128], const uint32_t (&a)[4],
                                                        uint64_t desc_b) {
 #ifdef MILA_SM90_HAS_WGMMA
