@@ -36,7 +36,9 @@ cd /tmp  # import the installed package, not the source tree
 step "tests: $TESTS"
 # TEST_XLA_FLAGS (e.g. --xla_gpu_autotune_level=0) shortens XLA compiles in the tests only;
 # the benchmarks keep XLA's defaults so its numbers are its best.
-(cd "$REPO"; eval "args=($TESTS)"; cd /tmp; XLA_FLAGS="${TEST_XLA_FLAGS:-${XLA_FLAGS:-}}" python3 -m pytest -q -p no:cacheprovider -rfs \
+# A kernel whose barriers deadlock hangs rather than fails: the tests run under a timeout.
+(cd "$REPO"; eval "args=($TESTS)"; cd /tmp; XLA_FLAGS="${TEST_XLA_FLAGS:-${XLA_FLAGS:-}}" \
+   timeout "${TEST_TIMEOUT:-1200}" python3 -m pytest -q -p no:cacheprovider -rfs \
    "${args[@]/#tests/$REPO/tests}") > "$OUT/tests.log" 2>&1 || status=1
 tail -15 "$OUT/tests.log"
 

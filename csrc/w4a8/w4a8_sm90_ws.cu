@@ -11,7 +11,8 @@
 //     (4 bytes per weight row: TMA cannot take them, the K/32-byte row stride is not a multiple
 //     of 16) with cp.async and arrive on the stage's full barrier when their copies land
 //     (cp.async.mbarrier.arrive). The other three producer warps exit at once (one polling warp
-//     per SM sub-partition would take issue slots from the consumers).
+//     per SM sub-partition would take issue slots from the consumers). Before exiting, the
+//     first warp waits until the consumers have released the last stages (producer tail).
 //   * warpgroups 1 and 2, the consumers (setmaxnreg.inc to 232): weight rows 64 w .. 64 w + 63
 //     of the tile each, all 256 activation rows. Per K tile: wait full, convert the two weight
 //     rows of each thread from shared memory into e4m3 A fragments, two promoted n128 halves
@@ -26,6 +27,8 @@
 //     its own 128 x 64 shared buffer (two passes of 128 activation rows; named barrier of the
 //     warpgroup only), 16-byte row-contiguous stores; rows >= M and columns >= N are not stored.
 //     float32 output: direct stores (8 lanes write 32 contiguous bytes).
+//   * every mbarrier wait traps after 20 s (MILA_W4A8_WS_WATCHDOG_NS): a protocol bug fails the
+//     launch instead of hanging the GPU.
 //
 // Tile choice: 128 weight rows x 256 activation rows x 128 K. Consumer registers: masters
 // m64 x n256 fp32 = 128, one n128 partial = 64, A fragments 16, row tables 4, addresses: ~220 of
@@ -42,6 +45,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>  // printf of the watchdog (MILA_W4A8_WS_DEBUG)
 #include <type_traits>
 
 #include "common/ptx.cuh"
@@ -90,14 +94,47 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 __device__ __forceinline__ void fence_mbar_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+// Whether the phase of `bar` with parity `parity` has completed (acquire, CTA scope).
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
   asm volatile(
       "{\n.reg .pred p;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
       : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+// Watchdog: a wait longer than this traps (the launch fails with "unspecified launch failure")
+// instead of hanging the GPU. Every legitimate wait here lasts microseconds (one stage of
+// loads or math, one tile's epilogue), even under compute-sanitizer; 0 turns the check off.
+// Define MILA_W4A8_WS_WATCHDOG_NS=0 once the kernel has a record on the GPU, if preferred.
+#ifndef MILA_W4A8_WS_WATCHDOG_NS
+#define MILA_W4A8_WS_WATCHDOG_NS 20000000000ull  // 20 s
+#endif
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  if (mbar_try_wait(bar, parity)) return;  // the common case: no timer read
+  if constexpr (MILA_W4A8_WS_WATCHDOG_NS > 0) {
+    const uint64_t t0 = global_timer_ns();
+    while (!mbar_try_wait(bar, parity)) {
+      if (global_timer_ns() - t0 > MILA_W4A8_WS_WATCHDOG_NS) {
+#ifdef MILA_W4A8_WS_DEBUG
+        printf("w4a8 wgmma_ws watchdog: block %d thread %d barrier smem 0x%x parity %u\n",
+               blockIdx.x, threadIdx.x, bar, parity);
+#endif
+        __trap();
+      }
+    }
+  } else {
+    while (!mbar_try_wait(bar, parity)) {
+    }
+  }
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
@@ -196,6 +233,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         cp_async_mbar_arrive(fb);
       }
     }
+    // Producer tail (as CUTLASS's producer_tail): acquire the next kStages steps, i.e. wait
+    // until the consumers have released the last kStages real steps (steps before 0 pass at
+    // once). Then every full-barrier phase this warp armed has completed (its TMA loads and
+    // cp.async arrive-ons landed) before the issuing threads exit; cannot hang, since the
+    // consumers release every step they wait for.
+#pragma unroll 1
+    for (int j = 0; j < kStages; ++j, ++it)
+      mbar_wait(empty_bar + 8 * (it % kStages), ((it / kStages) & 1) ^ 1);
     // Uncommitted cp.async belong to no group: commit, then wait, before the threads exit.
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
