@@ -4,6 +4,8 @@ jax_mila.parallel.context), or both at once."""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -46,18 +48,10 @@ def forward(model, input_ids, mesh, *, heads_axis: str | None = "heads",
     return logits
 
 
-class _contexts:
-    def __init__(self, heads_axis, seq_axis):
-        self.managers = []
-        if heads_axis is not None:
-            self.managers.append(tensor.tensor_parallel(heads_axis))
-        if seq_axis is not None:
-            self.managers.append(context.context_parallel(seq_axis))
-
-    def __enter__(self):
-        for m in self.managers:
-            m.__enter__()
-
-    def __exit__(self, *exc):
-        for m in reversed(self.managers):
-            m.__exit__(*exc)
+def _contexts(heads_axis, seq_axis) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    if heads_axis is not None:
+        stack.enter_context(tensor.tensor_parallel(heads_axis))
+    if seq_axis is not None:
+        stack.enter_context(context.context_parallel(seq_axis))
+    return stack

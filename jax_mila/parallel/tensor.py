@@ -23,6 +23,8 @@ import contextvars
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jax_mila.ffi.w4a8 import K_MULTIPLE as W4A8_K_MULTIPLE
+
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 KV_PROJECTIONS = ("k_proj", "v_proj")
@@ -73,12 +75,7 @@ def kv_heads_for_local_queries(k, v, *, num_heads: int, num_kv_heads: int,
     return pick(k), pick(v)
 
 
-MXFP4_K_GROUP = 128  # the W4A8 kernel's K tile: a row-parallel shard must keep whole groups
-
-
-def _leaf_spec(path: tuple[str, ...], shape: tuple, axis: str, axis_size: int,
-               split_kv: bool) -> P:
-    names = [str(p) for p in path if str(p) not in ("", "value")]  # nnx.Variable's own levels
+def _leaf_spec(names: list[str], shape: tuple, axis: str, axis_size: int, split_kv: bool) -> P:
     module = next((n for n in reversed(names) if n.endswith("_proj")), None)
     leaf = names[-1]
     if module is None or (module in KV_PROJECTIONS and not split_kv):
@@ -89,10 +86,11 @@ def _leaf_spec(path: tuple[str, ...], shape: tuple, axis: str, axis_size: int,
     if leaf == "kernel":  # dense [in, out]
         return P(None, axis) if column else P(axis, None)
     if leaf in ("packed", "scales"):  # MXFP4 [out, K / 2] and [out, K / 32]
-        if not column and leaf == "packed" and (2 * shape[1] // axis_size) % MXFP4_K_GROUP:
+        # A row-parallel slice must keep whole K groups of the W4A8 kernel.
+        if not column and leaf == "packed" and (2 * shape[1]) % (axis_size * W4A8_K_MULTIPLE):
             raise ValueError(f"tensor parallel over {axis_size} devices: {'.'.join(names[:-1])} "
                              f"has K={2 * shape[1]}; its W4A8 slices need K / {axis_size} to be "
-                             f"a multiple of {MXFP4_K_GROUP}")
+                             f"a multiple of {W4A8_K_MULTIPLE}")
         return P(axis, None) if column else P(None, axis)
     if leaf == "channel_exp":  # [out]
         return P(axis) if column else P()
@@ -112,13 +110,12 @@ def param_specs(state, *, axis: str, axis_size: int, num_kv_heads_of_layer):
     layer i's KV heads (K/V projections split only where they divide by `axis_size`)."""
 
     def spec(path, leaf):
-        names = [p for p in path if p not in ("", "value")]
+        names = [p for p in path if p not in ("", "value")]  # nnx.Variable's own levels
         split_kv = False
         if "layers" in names:
             layer = int(names[names.index("layers") + 1])
             split_kv = num_kv_heads_of_layer(layer) % axis_size == 0
-        return _leaf_spec(tuple(names), tuple(getattr(leaf, "shape", ())), axis, axis_size,
-                          split_kv)
+        return _leaf_spec(names, tuple(getattr(leaf, "shape", ())), axis, axis_size, split_kv)
 
     return jax.tree_util.tree_map_with_path(
         lambda path, leaf: spec(tuple(_key_name(k) for k in path), leaf),
