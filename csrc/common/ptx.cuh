@@ -161,48 +161,11 @@ __device__ __forceinline__ uint32_t e2m1x4_to_e4m3x4(uint32_t sel, uint32_t lut_
 
 // ---- w4a8: Hopper warpgroup MMA (sm_90a) ------------------------------------
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
-#define MILA_W4A8_HAS_WGMMA 1
-#endif
+// The Hopper primitives (mbarrier, TMA, wgmma synchronization, descriptors) live in
+// ptx_sm90.cuh; here only the FP8 wgmma shape of the W4A8 kernels.
+#include "common/ptx_sm90.cuh"
 
 namespace mila::ptx::w4a8 {
-
-// Shared-memory matrix descriptor for a K-major operand tile whose rows are 128 bytes long and
-// stored with the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)), tile base
-// 1024-byte aligned: leading byte offset 16 (unused by this swizzle), stride byte offset 1024
-// (one 8-row swizzle atom), swizzle mode 1 (128B). Advance along K by adding bytes to `addr`.
-__device__ __forceinline__ uint64_t wgmma_desc_k128b(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(16 >> 4) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-#ifdef MILA_W4A8_HAS_WGMMA
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wgmma_commit() {
-#ifdef MILA_W4A8_HAS_WGMMA
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-#ifdef MILA_W4A8_HAS_WGMMA
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-#endif
-}
-// Makes generic-proxy writes to shared memory (st.shared, cp.async) visible to the async proxy
-// (wgmma operand reads). Run by the writing threads after their writes land, before the barrier.
-__device__ __forceinline__ void fence_proxy_async_shared() {
-#ifdef MILA_W4A8_HAS_WGMMA
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-// Pins a register value at this point (no code): keeps the compiler from moving or reusing
-// registers that an in-flight wgmma still reads or writes.
-__device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x)::"memory"); }
-__device__ __forceinline__ void fence_operand(uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
 
 // D[64 x 128] = A[64 x 32] * B[32 x 128] + (kAccumulate ? D : 0): e4m3 inputs, fp32 accumulators.
 // A from registers (the m16n8k32 A-fragment layout per warp, warp w holding rows 16w..16w+15),
@@ -212,7 +175,7 @@ __device__ __forceinline__ void fence_operand(uint32_t& x) { asm volatile("" : "
 template <bool kAccumulate>
 __device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const uint32_t (&a)[4],
                                                          uint64_t desc_b) {
-#ifdef MILA_W4A8_HAS_WGMMA
+#ifdef MILA_HAS_SM90A
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "

@@ -1,5 +1,5 @@
 // FlashAttention prefill for head dim 512 on Hopper (sm_90a): wgmma, TMA, mbarriers and
-// warp specialisation, written with inline PTX (sm90_ptx.cuh). Same contract and results as
+// warp specialisation, written with inline PTX (common/ptx_sm90.cuh). Same contract and results as
 // the portable mma.sync kernel (flash512/flash512.cu), which stays the oracle.
 //
 // Geometry (first step of issue 7: correct and non-persistent; see "Not yet" below).
@@ -97,8 +97,8 @@
 
 #include "common/attention_params.h"
 #include "common/ptx.cuh"
+#include "common/ptx_sm90.cuh"
 #include "flash512_sm90/flash512_sm90.h"
-#include "flash512_sm90/sm90_ptx.cuh"
 
 namespace mila {
 namespace {

@@ -229,7 +229,7 @@ static_assert(kBM * kOutPitch * 2 <= kStages * kXStage, "output staging must fit
 
 template <typename OutT>
 __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const W4A8Args args) {
-#if defined(__CUDA_ARCH__) && defined(MILA_W4A8_HAS_WGMMA)
+#if defined(__CUDA_ARCH__) && defined(MILA_HAS_SM90A)
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_base = ptx::smem_addr(smem_raw);
   const uint32_t smem_base = (raw_base + 1023u) & ~1023u;
@@ -330,18 +330,18 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const W4A8Args 
   // The partial sum is left undefined on purpose (the first wgmma has scale-d = 0 and never reads
   // it), so its 64 registers are dead between promotions and free for the conversion and copies.
   auto issue_half = [&](float (&part)[64], uint32_t sx_half) {
-    ptx::w4a8::wgmma_fence();  // orders the register accesses before it (adds, conversion)
-    ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[0], ptx::w4a8::wgmma_desc_k128b(sx_half));
+    ptx::sm90::wgmma_fence();  // orders the register accesses before it (adds, conversion)
+    ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[0], ptx::sm90::desc_k128b(sx_half));
 #pragma unroll
     for (int kb = 1; kb < kKBlocks; ++kb)
       ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a[kb],
-                                                ptx::w4a8::wgmma_desc_k128b(sx_half + kb * 32));
-    ptx::w4a8::wgmma_commit();
+                                                ptx::sm90::desc_k128b(sx_half + kb * 32));
+    ptx::sm90::wgmma_commit();
   };
   auto promote = [&](float (&part)[64], int h) {
-    ptx::w4a8::wgmma_wait<0>();
+    ptx::sm90::wgmma_wait<0>();
 #pragma unroll
-    for (int i = 0; i < 64; ++i) ptx::w4a8::fence_operand(part[i]);
+    for (int i = 0; i < 64; ++i) ptx::sm90::fence_operand(part[i]);
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[64 * h + i] += part[i];
   };
@@ -365,7 +365,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const W4A8Args 
       // warpgroup here has finished step kt - 1 (retired its batches of tile kt - 1, converted
       // tile kt), so the stage of tile kt - 1 may be refilled below.
       ptx::cp_async_wait<kPrefetch - 2>();
-      ptx::w4a8::fence_proxy_async_shared();
+      ptx::sm90::fence_proxy_async_shared();
       __syncthreads();
       promote(part, 1);
     }
@@ -373,7 +373,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const W4A8Args 
 #pragma unroll
     for (int kb = 0; kb < kKBlocks; ++kb)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) ptx::w4a8::fence_operand(a[kb][e]);
+      for (int e = 0; e < 4; ++e) ptx::sm90::fence_operand(a[kb][e]);
     if (kt + 1 < kt_count) convert((kt + 1) % kStages, a);
     {
       // Refill the stage of tile kt - 1. Here rather than while a batch runs: the partial sum's

@@ -87,25 +87,6 @@ static_assert(kOutBytes % 16 == 0 && kBarOffset % 8 == 0, "alignment");
 
 // ---- PTX (sm_90a) ---------------------------------------------------------------------------
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// Makes the initialized barriers visible to the async proxy (TMA complete_tx) and other threads.
-__device__ __forceinline__ void fence_mbar_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-// Whether the phase of `bar` with parity `parity` has completed (acquire, CTA scope).
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n.reg .pred p;\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
-}
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
@@ -118,11 +99,12 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 #ifndef MILA_W4A8_WS_WATCHDOG_NS
 #define MILA_W4A8_WS_WATCHDOG_NS 20000000000ull  // 20 s
 #endif
+// mbar_wait with the watchdog.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  if (mbar_try_wait(bar, parity)) return;  // the common case: no timer read
+  if (ptx::sm90::mbar_try_wait(bar, parity)) return;  // the common case: no timer read
   if constexpr (MILA_W4A8_WS_WATCHDOG_NS > 0) {
     const uint64_t t0 = global_timer_ns();
-    while (!mbar_try_wait(bar, parity)) {
+    while (!ptx::sm90::mbar_try_wait(bar, parity)) {
       if (global_timer_ns() - t0 > MILA_W4A8_WS_WATCHDOG_NS) {
 #ifdef MILA_W4A8_WS_DEBUG
         printf("w4a8 wgmma_ws watchdog: block %d thread %d barrier smem 0x%x parity %u\n",
@@ -132,39 +114,8 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       }
     }
   } else {
-    while (!mbar_try_wait(bar, parity)) {
-    }
+    ptx::sm90::mbar_wait(bar, parity);
   }
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-// One arrive on `bar` once all of this thread's earlier cp.async have landed; counts as one of
-// the barrier's expected arrivals (.noinc).
-__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-// 2-D tiled TMA load of the box at (c0 = innermost coordinate, c1) into `dst`, completing
-// transaction bytes on `bar`.
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
-                                            uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-}
-template <int kRegs>
-__device__ __forceinline__ void setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-}
-template <int kRegs>
-__device__ __forceinline__ void setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
 // ---- kernel ---------------------------------------------------------------------------------
@@ -173,7 +124,7 @@ template <typename OutT>
 __global__ void __launch_bounds__(kThreads, 1)
     w4a8_wgmma_ws_kernel(const __grid_constant__ CUtensorMap tmap_x,
                          const __grid_constant__ CUtensorMap tmap_w, const W4A8Args args) {
-#if defined(__CUDA_ARCH__) && defined(MILA_W4A8_HAS_WGMMA)
+#if defined(__CUDA_ARCH__) && defined(MILA_HAS_SM90A)
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_base = ptx::smem_addr(smem_raw);
   const uint32_t smem_base = (raw_base + 1023u) & ~1023u;
@@ -192,10 +143,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full_bar + 8 * s, kFullArrivals);
-      mbar_init(empty_bar + 8 * s, kConsumerThreads);
+      ptx::sm90::mbar_init(full_bar + 8 * s, kFullArrivals);
+      ptx::sm90::mbar_init(empty_bar + 8 * s, kConsumerThreads);
     }
-    fence_mbar_init();
+    ptx::sm90::mbar_init_fence();
   }
   __syncthreads();
 
@@ -203,7 +154,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // tile sequence, identically by producer and consumers): it % kStages, pass (it / kStages).
   if (tid < 128) {
     // ---------------- producer ----------------
-    setmaxnreg_dec<kProducerRegs>();
+    ptx::sm90::setmaxnreg_dec<kProducerRegs>();
     if (tid >= 32) return;
     uint32_t it = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -217,9 +168,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(empty_bar + 8 * s, ((it / kStages) & 1) ^ 1);
         const uint32_t fb = full_bar + 8 * s;
         if (tid == 0) {
-          mbar_arrive_expect_tx(fb, kTxBytes);
-          tma_load_2d(smem_base + s * kXStage, &tmap_x, kt * kBK, tm * kBM, fb);
-          tma_load_2d(smem_base + kWOffset + s * kWStage, &tmap_w, kt * kPackedTile, n0, fb);
+          ptx::sm90::mbar_arrive_expect_tx(fb, kTxBytes);
+          ptx::sm90::tma_load_2d(smem_base + s * kXStage, &tmap_x, fb, kt * kBK, tm * kBM);
+          ptx::sm90::tma_load_2d(smem_base + kWOffset + s * kWStage, &tmap_w, fb, kt * kPackedTile,
+                                 n0);
         }
         // Exponents of weight rows tid + 32 i; rows past N are zero-filled (zero weights).
 #pragma unroll
@@ -230,7 +182,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint8_t* src = args.scales + (valid ? offset : 0);
           ptx::w4a8::cp_async_4(smem_base + kEOffset + s * kEStage + row * kKBlocks, src, valid);
         }
-        cp_async_mbar_arrive(fb);
+        ptx::sm90::cp_async_mbar_arrive(fb);
       }
     }
     // Producer tail (as CUTLASS's producer_tail): acquire the next kStages steps, i.e. wait
@@ -248,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ---------------- consumers ----------------
-  setmaxnreg_inc<kConsumerRegs>();
+  ptx::sm90::setmaxnreg_inc<kConsumerRegs>();
   const int cw = tid / 128 - 1;  // consumer warpgroup 0 / 1: weight rows 64 cw ..
   const int wtid = tid % 128;
   const int lane = tid % 32, wwarp = wtid / 32;
@@ -301,26 +253,26 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int h = 0; h < 2; ++h) {
         // The partial sum is never read before written (scale-d = 0 on the first wgmma).
         float part[64];
-        ptx::w4a8::wgmma_fence();
+        ptx::sm90::wgmma_fence();
         ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(
-            part, a[0], ptx::w4a8::wgmma_desc_k128b(sx + h * kXHalf));
+            part, a[0], ptx::sm90::desc_k128b(sx + h * kXHalf));
 #pragma unroll
         for (int kb = 1; kb < kKBlocks; ++kb)
           ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(
-              part, a[kb], ptx::w4a8::wgmma_desc_k128b(sx + h * kXHalf + kb * 32));
-        ptx::w4a8::wgmma_commit();
-        ptx::w4a8::wgmma_wait<0>();
+              part, a[kb], ptx::sm90::desc_k128b(sx + h * kXHalf + kb * 32));
+        ptx::sm90::wgmma_commit();
+        ptx::sm90::wgmma_wait<0>();
 #pragma unroll
-        for (int i = 0; i < 64; ++i) ptx::w4a8::fence_operand(part[i]);
+        for (int i = 0; i < 64; ++i) ptx::sm90::fence_operand(part[i]);
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[64 * h + i] += part[i];
       }
 #pragma unroll
       for (int kb = 0; kb < kKBlocks; ++kb)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) ptx::w4a8::fence_operand(a[kb][e]);
+        for (int e = 0; e < 4; ++e) ptx::sm90::fence_operand(a[kb][e]);
       // Both batches retired and the packed rows were read above: the stage may be refilled.
-      mbar_arrive(empty_bar + 8 * s);
+      ptx::sm90::mbar_arrive(empty_bar + 8 * s);
     }
 
     // Epilogue: acc[4j + e] = y^T[weight row wrow0 (+8 if e >= 2)][activation row 8j + 2q

@@ -1,13 +1,14 @@
-// Inline-PTX wrappers of the Hopper (sm_90a) flash512 kernel: mbarriers, TMA, setmaxnreg,
-// wgmma descriptors and the two bf16 wgmma shapes the kernel issues. Kept in this family's
-// folder (namespace mila::ptx::sm90) so the default build's common/ptx.cuh is untouched;
-// hoist into common/ when a second Hopper kernel needs them.
+// Inline-PTX wrappers of the Hopper (sm_90a) kernels: mbarriers, TMA, clusters, setmaxnreg,
+// wgmma synchronization and shared-memory descriptors, and the bf16 wgmma shapes of the D=512
+// attention kernel (the W4A8 kernels' FP8 shape is in ptx.cuh). Outside sm_90a code
+// (MILA_HAS_SM90A undefined) the instructions that need it compile to nothing; kernels built
+// from them guard their bodies with the same macro.
 #pragma once
 
 #include <cstdint>
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
-#define MILA_SM90_HAS_WGMMA 1
+#define MILA_HAS_SM90A 1
 #endif
 
 namespace mila::ptx::sm90 {
@@ -19,14 +20,14 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 }
 // Makes the initialised barriers visible to the other threads and to the async proxy (TMA).
 __device__ __forceinline__ void mbar_init_fence() {
-#ifdef MILA_SM90_HAS_WGMMA
+#ifdef MILA_HAS_SM90A
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
 // One arrival that also announces `bytes` of TMA transactions for the current phase.
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-#ifdef MILA_SM90_HAS_WGMMA
+#ifdef MILA_HAS_SM90A
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
                : "memory");
 #endif
@@ -36,29 +37,52 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// Whether the phase of `bar` with parity `parity` has completed (acquire, CTA scope); the
+// hardware may suspend the thread for a while before answering no.
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 1;
+#ifdef MILA_HAS_SM90A
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+#endif
+  return done != 0;
+}
 // Spins until the phase with parity `parity` has completed (acquire semantics).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-#ifdef MILA_SM90_HAS_WGMMA
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-#endif
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+// One arrival on `bar` once all of this thread's earlier cp.async have landed, counted as one
+// of the barrier's expected arrivals (.noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
 // ---- TMA --------------------------------------------------------------------
+
+// 2-D tiled copy global -> shared of the box at (c0 = innermost coordinate, c1), completion
+// counted in bytes on `bar`.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* tmap, uint32_t bar, int c0,
+                                            int c1) {
+#ifdef MILA_HAS_SM90A
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+#endif
+}
 
 // 4-D tiled copy global -> shared (box and swizzle from the tensor map), completion counted
 // in bytes on `bar`. Out-of-bounds elements are zero-filled and still counted.
 __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tmap, uint32_t bar, int c0,
                                             int c1, int c2, int c3) {
-#ifdef MILA_SM90_HAS_WGMMA
+#ifdef MILA_HAS_SM90A
   asm volatile(
       "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes "
       "[%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(dst),
@@ -67,7 +91,7 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tmap, uint
 #endif
 }
 __device__ __forceinline__ void tma_prefetch_desc(const void* tmap) {
-#ifdef MILA_SM90_HAS_WGMMA
+#ifdef MILA_HAS_SM90A
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tmap)) : "memory");
 #endif
 }
@@ -76,7 +100,7 @@ __device__ __forceinline__ void tma_prefetch_desc(const void* tmap) {
 
 __device__ __forceinline__ uint32_t cluster_ctarank() {
   uint32_t r = 0;
-#ifdef MILA_SM90_HAS_WGMMA
+#ifdef MILA_HAS_SM90A
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
 #endif
   return r;
@@ -84,7 +108,7 @@ __device__ __forceinline__ uint32_t cluster_ctarank() {
 // The shared::cluster address of this CTA's shared variable `addr` in CTA `rank`.
 __device__ __forceinline__ uint32_t map_to_cta(uint32_t addr, uint32_t rank) {
   uint32_t r = addr;
-#ifdef MILA_SM90_HAS_WGMMA
+#ifdef MILA_HAS_SM90A
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
 #endif
   return r;
@@ -92,7 +116,7 @@ __device__ __forceinline__ uint32_t map_to_cta(uint32_t addr, uint32_t rank) {
 // Arrival on a barrier of any CTA of the cluster (`cluster_addr` from map_to_cta), with
 // release at cluster scope: this thread's earlier shared-memory reads are ordered before it.
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_addr) {
-#ifdef MILA_SM90_HAS_WGMMA
+#ifdef MILA_HAS_SM90A
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr)
                : "memory");
 #endif
@@ -100,7 +124,7 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_addr) {
 // mbar_wait with acquire at cluster scope (the phase was completed by arrivals from the
 // other CTA too).
 __device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-#ifdef MILA_SM90_HAS_WGMMA
+#ifdef MILA_HAS_SM90A
   uint32_t done;
   do {
     asm volatile(
@@ -115,7 +139,7 @@ __device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity)
 }
 // All threads of every CTA of the cluster (not .aligned: callers may arrive diverged).
 __device__ __forceinline__ void cluster_sync() {
-#ifdef MILA_SM90_HAS_WGMMA
+#ifdef MILA_HAS_SM90A
   asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
   asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
 #endif
@@ -125,7 +149,7 @@ __device__ __forceinline__ void cluster_sync() {
 __device__ __forceinline__ void tma_load_4d_multicast(uint32_t dst, const void* tmap, uint32_t bar,
                                                       int c0, int c1, int c2, int c3,
                                                       uint16_t cta_mask) {
-#ifdef MILA_SM90_HAS_WGMMA
+#ifdef MILA_HAS_SM90A
   asm volatile(
       "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
       ".multicast::cluster [%0], [%1, {%3, %4, %5, %6}], [%2], %7;\n" ::"r"(dst),
@@ -139,13 +163,13 @@ __device__ __forceinline__ void tma_load_4d_multicast(uint32_t dst, const void* 
 
 template <int N>
 __device__ __forceinline__ void setmaxnreg_dec() {
-#ifdef MILA_SM90_HAS_WGMMA
+#ifdef MILA_HAS_SM90A
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 #endif
 }
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() {
-#ifdef MILA_SM90_HAS_WGMMA
+#ifdef MILA_HAS_SM90A
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 #endif
 }
@@ -164,20 +188,31 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr, uint32_t lbo, uint
          (static_cast<uint64_t>((sbo & 0x3FFFFu) >> 4) << 32) | (1ull << 62);
 }
 
+// desc_sw128 of a K-major tile with 128-byte rows (w4a8's activation tiles): leading byte
+// offset 16 (unused by this swizzle), stride byte offset 1024 (one 8-row swizzle atom).
+__device__ __forceinline__ uint64_t desc_k128b(uint32_t addr) { return desc_sw128(addr, 16, 1024); }
+
 __device__ __forceinline__ void wgmma_fence() {
-#ifdef MILA_SM90_HAS_WGMMA
+#ifdef MILA_HAS_SM90A
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void wgmma_commit() {
-#ifdef MILA_SM90_HAS_WGMMA
+#ifdef MILA_HAS_SM90A
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 #endif
 }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
-#ifdef MILA_SM90_HAS_WGMMA
+#ifdef MILA_HAS_SM90A
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Makes generic-proxy writes to shared memory (st.shared, cp.async) visible to the async proxy
+// (wgmma operand reads, TMA). Run by the writing threads after their writes land.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#ifdef MILA_HAS_SM90A
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
 // Pins a register at this point (no code), so that it is neither read nor written between a
@@ -190,7 +225,7 @@ __device__ __forceinline__ void fence_operand(uint32_t& x) { asm volatile("" : "
 // a fresh sum (scale-d = 0), so d need not be zeroed.
 template <bool kAccumulate>
 __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
-#ifdef MILA_SM90_HAS_WGMMA
+#ifdef MILA_HAS_SM90A
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
@@ -210,7 +245,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc
 // per warp, warp w holding rows 16w..16w+15), V from shared memory MN-major (imm-trans-b = 1).
 __device__ __forceinline__ void wgmma_m64n256k16_rs_tb(float (&d)[128], const uint32_t (&a)[4],
                                                        uint64_t desc_b) {
-#ifdef MILA_SM90_HAS_WGMMA
+#ifdef MILA_HAS_SM90A
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
