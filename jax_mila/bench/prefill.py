@@ -65,6 +65,19 @@ RESULT = "RESULT "  # worker -> parent: one JSON object per line after this pref
 
 # ---------------------------------------------------------------------------------- workers
 
+def _timed_runs(run, warmup: int, reps: int) -> list[float]:
+    """Seconds of each of `reps` calls of `run` (which waits for its result) after `warmup`
+    untimed ones; each result is dropped before the next call, so one cache is alive at a time."""
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    return times
+
+
 def _emit(row: dict) -> None:
     print(RESULT + json.dumps(row), flush=True)
 
@@ -125,14 +138,7 @@ def _jax_worker(spec: dict) -> None:
             row["cache_bytes"] = sum(int(x.nbytes) for x in jax.tree.leaves(out[1]))
             row["finite"] = bool(jnp.all(jnp.isfinite(out[0].astype(jnp.float32))))
             del out  # never two caches alive at once: the peak is one prefill's
-            for _ in range(spec["warmup"]):
-                run()
-            times = []
-            for _ in range(spec["reps"]):
-                t = time.perf_counter()
-                out = run()
-                times.append(time.perf_counter() - t)
-                del out
+            times = _timed_runs(run, spec["warmup"], spec["reps"])
             row["times_s"] = times
             row["median_s"] = statistics.median(times)
             row["tokens_per_s"] = length / row["median_s"]
@@ -262,14 +268,7 @@ def _torch_worker(spec: dict) -> None:
             row["cache_bytes"] = _hf_cache_bytes(out.past_key_values)
             row["finite"] = bool(torch.isfinite(out.logits.float()).all())
             del out
-            for _ in range(spec["warmup"]):
-                run()
-            times = []
-            for _ in range(spec["reps"]):
-                t = time.perf_counter()
-                out = run()
-                times.append(time.perf_counter() - t)
-                del out
+            times = _timed_runs(run, spec["warmup"], spec["reps"])
             row["times_s"], row["median_s"] = times, statistics.median(times)
             row["tokens_per_s"] = length / row["median_s"]
             if device == "cuda":
