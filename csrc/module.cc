@@ -26,6 +26,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaW4A8Matmul);
 #ifdef MILA_WITH_FLASH512_SM90
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaFlashAttentionD512Sm90);
 #endif
+#ifdef MILA_WITH_FLASH256_SM90
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaFlashAttentionD256Sm90);
+#endif
 
 namespace {
 
@@ -57,6 +60,10 @@ NB_MODULE(_jax_mila_cuda, m) {
 #ifdef MILA_WITH_FLASH512_SM90
     targets["jax_mila_flash_attention_d512_sm90"] =
         EncapsulateFfiHandler(MilaFlashAttentionD512Sm90);
+#endif
+#ifdef MILA_WITH_FLASH256_SM90
+    targets["jax_mila_flash_attention_d256_sm90"] =
+        EncapsulateFfiHandler(MilaFlashAttentionD256Sm90);
 #endif
     return targets;
   });

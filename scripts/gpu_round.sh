@@ -9,22 +9,26 @@
 #   TESTS="tests/test_quantize.py -k Kernel" SANITIZE_OPS=quantize \
 #   BENCHES="benchmarks/quantize.py" SANITIZE="memcheck initcheck" bash scripts/gpu_round.sh
 # BENCHES entries are separated by ';' and may start with VAR=value words for that entry alone.
+# On a machine with two GPUs, SIDE entries (same form) run on the second GPU meanwhile, and
+# MULTI entries run last with every GPU visible (multi-device runs):
+#   SIDE="scripts/fidelity.py --model 12b --tokens 8192" \
+#   MULTI="benchmarks/prefill.py --devices 2 --seqs 32768" bash scripts/gpu_round.sh
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 export OUT=${OUT:-/tmp/jax_mila_out}; mkdir -p "$OUT"
 export JAX_MILA_CUDA_ARCHS=${JAX_MILA_CUDA_ARCHS:-80-real;89-real;90a}
-export JAX_MILA_KERNELS=${JAX_MILA_KERNELS:-quantize;flash256;flash512;w4a8}
+export JAX_MILA_KERNELS=${JAX_MILA_KERNELS:-}  # empty: every family the archs can run
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 TESTS=${TESTS:-tests}
 SANITIZE=${SANITIZE-memcheck initcheck racecheck}  # set but empty: none
-SANITIZE_OPS=${SANITIZE_OPS:-quantize d256 d512 w4a8}  # one process per word; "d256,d512": both in one
+SANITIZE_OPS=${SANITIZE_OPS:-quantize d256 d256_mma d512 d512_mma w4a8}  # one process per word; "d256,d512": both in one
 BENCHES=${BENCHES-benchmarks/quantize.py;benchmarks/attention.py;benchmarks/gemm.py}
 status=0
 step() { echo "== $* ($(date +%T))"; }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 
-step "build $JAX_MILA_KERNELS for $JAX_MILA_CUDA_ARCHS"
+step "build ${JAX_MILA_KERNELS:-default families} for $JAX_MILA_CUDA_ARCHS"
 if ! (cd "$REPO" && python3 -m pip install --no-build-isolation --no-deps -v \
         -Cbuild-dir=build/round -Ccmake.define.JAX_MILA_PTXAS_VERBOSE=ON .) > "$OUT/build.log" 2>&1; then
   grep -E "error" "$OUT/build.log" | head -30; exit 1
@@ -32,6 +36,36 @@ fi
 grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/build.log" | sed 's/^ *//' > "$OUT/ptxas.txt"
 
 cd /tmp  # import the installed package, not the source tree
+
+# One entry of BENCHES / SIDE / MULTI: "[VAR=value ...] script.py args" (a script under the repo),
+# run under a timeout (a deadlocked kernel or a stuck compile must not eat the round); its
+# output is appended to the log named second.
+run_entry() {  # entry, log, timeout
+  local words envs=()
+  read -ra words <<< "$1"
+  while [[ ${words[0]} == *=* ]]; do envs+=("${words[0]}"); words=("${words[@]:1}"); done
+  echo "== ${envs[*]} ${words[*]}" >> "$2"
+  timeout "$3" env "${envs[@]}" python3 "$REPO/${words[0]}" "${words[@]:1}" >> "$2" 2>&1
+  local rc=$?
+  [ $rc = 124 ] && echo "   (timed out after $3 s)" | tee -a "$2"
+  return $rc
+}
+entries() { local IFS=';'; read -ra list <<< "$1"; for e in "${list[@]}"; do
+  e=$(echo "$e" | sed 's/^ *//'); [ -n "$e" ] && printf '%s\n' "$e"; done; }
+
+# SIDE: entries run one after another on the second GPU (CUDA_VISIBLE_DEVICES=1) while
+# everything else of the round runs on the first; MULTI: entries run after both, on all GPUs.
+ngpus=$(nvidia-smi -L | wc -l)
+side_pid=
+if [ -n "${SIDE:-}" ] && [ "$ngpus" -ge 2 ]; then
+  step "side jobs on GPU 1: $SIDE"
+  (export CUDA_VISIBLE_DEVICES=1; entries "$SIDE" | while read -r e; do
+     run_entry "$e" "$OUT/side.log" "${SIDE_TIMEOUT:-300}"; done) &
+  side_pid=$!
+  export CUDA_VISIBLE_DEVICES=0
+elif [ -n "${SIDE:-}" ]; then
+  MULTI="$SIDE${MULTI:+;$MULTI}"  # one GPU: the side jobs run after the round
+fi
 
 step "tests: $TESTS"
 # TEST_XLA_FLAGS (e.g. --xla_gpu_autotune_level=0) shortens XLA compiles in the tests only;
@@ -45,19 +79,12 @@ tail -15 "$OUT/tests.log"
 step selftest
 python3 -c "import jax_mila; jax_mila.selftest()" 2>&1 | tee "$OUT/selftest.log"
 
-IFS=';' read -ra benches <<< "$BENCHES"
-for b in "${benches[@]}"; do
-  b=$(echo "$b" | sed 's/^ *//'); [ -n "$b" ] || continue
+while read -r b; do
   step "bench $b"
-  # A benchmark that hangs (a deadlocked kernel, a stuck compile) must not eat the round.
-  # Leading VAR=value words set the environment of that benchmark alone (A/B of a kernel knob).
-  read -ra words <<< "$b"; envs=()
-  while [[ ${words[0]} == *=* ]]; do envs+=("${words[0]}"); words=("${words[@]:1}"); done
-  echo "== ${envs[*]} ${words[*]}" >> "$OUT/bench.log"
-  timeout "${BENCH_TIMEOUT:-300}" env "${envs[@]}" python3 "$REPO/${words[0]}" "${words[@]:1}" 2>&1 \
-    | tee -a "$OUT/bench.log" | grep "^|"
-  [ "${PIPESTATUS[0]}" = 124 ] && echo "   (timed out after ${BENCH_TIMEOUT:-300} s; see bench.log)"
-done
+  before=$(cat "$OUT/bench.log" 2>/dev/null | wc -l)
+  run_entry "$b" "$OUT/bench.log" "${BENCH_TIMEOUT:-300}"
+  tail -n +$((before + 1)) "$OUT/bench.log" | grep "^|"
+done < <(entries "$BENCHES")
 
 # compute-sanitizer runs scripts/sanitize_kernels.py (odd-sized calls of every kernel, poisoned
 # outputs, checked against a CPU oracle), one process per op group and tool, so a crash of the
@@ -92,22 +119,38 @@ if [ -n "$SANITIZE" ]; then
   for p in "${pids[@]}"; do wait "$p" || status=1; done
 fi
 
-# Optional profile of one kernel launch: NCU_KERNEL (a regex of the kernel name) and NCU_CMD (a
-# script under the repo with its arguments; its first matching launch is profiled).
-if [ -n "${NCU_KERNEL:-}" ] && [ -n "${NCU_CMD:-}" ]; then
-  step "ncu $NCU_KERNEL: $NCU_CMD"
-  read -ra words <<< "$NCU_CMD"
-  (cd /tmp; timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none -k "regex:$NCU_KERNEL" -c 1 \
-     ${NCU_SECTIONS:---section SpeedOfLight --section WarpStateStats --section SchedulerStats} \
-     python3 "$REPO/${words[0]}" "${words[@]:1}") > "$OUT/ncu.txt" 2>&1 || echo "   ncu exit $?"
-  grep -E "Duration|Throughput|Pipe|Issue Slots|Stall|Achieved Occupancy|Bank" "$OUT/ncu.txt" | head -25
+# Optional profiles: NCU holds ';'-separated entries "KERNEL_REGEX::SCRIPT ARGS" (a script under
+# the repo; the first launch whose name matches is profiled), leading VAR=value words allowed as
+# in BENCHES. NCU_SECTIONS overrides the sections.
+IFS=';' read -ra profiles <<< "${NCU:-}"
+n=0
+for p in "${profiles[@]}"; do
+  p=$(echo "$p" | sed 's/^ *//'); [ -n "$p" ] || continue
+  n=$((n + 1)); kernel=${p%%::*}; read -ra words <<< "${p#*::}"; envs=()
+  while [[ ${words[0]} == *=* ]]; do envs+=("${words[0]}"); words=("${words[@]:1}"); done
+  step "ncu $kernel: ${envs[*]} ${words[*]}"
+  (cd /tmp; timeout "${NCU_TIMEOUT:-150}" env "${envs[@]}" ncu --clock-control none \
+     -k "regex:$kernel" -c 1 \
+     ${NCU_SECTIONS:---section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis} \
+     python3 "$REPO/${words[0]}" "${words[@]:1}") > "$OUT/ncu_$n.txt" 2>&1 || echo "   ncu exit $?"
+  grep -E "Duration|Throughput|Pipe|Issue Slots|Stall|Achieved Occupancy|Bank|Warp Cycles|Eligible|Registers" "$OUT/ncu_$n.txt" | head -40
+done
+
+if [ -n "$side_pid" ]; then
+  step "waiting for the side jobs"
+  wait "$side_pid"
 fi
+unset CUDA_VISIBLE_DEVICES
+while read -r e; do
+  step "multi-GPU: $e"
+  run_entry "$e" "$OUT/multi.log" "${MULTI_TIMEOUT:-300}" || status=1
+done < <(entries "${MULTI:-}")
 
 step summary
 grep -h -E "[0-9]+ (passed|failed)" "$OUT"/tests.log | tail -1
 for f in "$OUT"/sanitize_*.log; do [ -e "$f" ] && echo "$(basename "$f" .log): $(grep -h -E "ERROR SUMMARY|RACECHECK SUMMARY|^FAIL" "$f" | tr '\n' ' ')"; done
 grep -h -E "OK|MISMATCH|ERROR|NOT AVAILABLE" "$OUT/selftest.log"
-grep -h "^|" "$OUT/bench.log" 2>/dev/null
+grep -h "^|" "$OUT/bench.log" "$OUT/side.log" "$OUT/multi.log" 2>/dev/null
 # Bundle the logs: some runners bring back only a few files from $OUT.
 (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz -- *.log *.txt *.json 2>/dev/null)
 exit $status

@@ -16,6 +16,7 @@ Exit status 0 when every case matched its oracle.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import jax
@@ -97,8 +98,24 @@ def check_w4a8():
             yield f"w4a8 {kern} {m}x{n}x{k}"
 
 
+def _with_env(name, value, checks):
+    """``checks`` with os.environ[name] = value while they run (routing is read at trace time)."""
+    os.environ[name] = value
+    try:
+        yield from checks
+    finally:
+        os.environ.pop(name)
+
+
+# On Hopper "d256" / "d512" run the sm90 kernels (the defaults there); "d256_mma" / "d512_mma"
+# the portable mma.sync kernels. The launchers' developer knobs (JAX_MILA_FLASH256_SM90_LOOP,
+# JAX_MILA_FLASH256_SM90_PERSISTENT, JAX_MILA_FLASH512_SM90_CLUSTER) are read once per process:
+# set them in the environment of the sanitized process.
 OPS = {"quantize": check_quantize, "d256": lambda: check_attention(256),
-       "d512": lambda: check_attention(512), "w4a8": check_w4a8}
+       "d512": lambda: check_attention(512),
+       "d256_mma": lambda: _with_env("JAX_MILA_FLASH256_SM90", "0", check_attention(256)),
+       "d512_mma": lambda: _with_env("JAX_MILA_FLASH512_SM90", "0", check_attention(512)),
+       "w4a8": check_w4a8}
 
 
 def main() -> int:

@@ -1,12 +1,14 @@
 """The opt-in Hopper D=512 flash attention (csrc/flash512_sm90/, target *_d512_sm90).
 
-CPU: jax_mila.ffi.attention routes D=512 calls to it only with JAX_MILA_FLASH512_SM90=1, the
-target built, every GPU of compute capability 9.0 and Hq / Hkv dividing its 64-row tile.
+CPU: jax_mila.ffi.attention routes D=512 calls to it by default when the target is built, every
+GPU has compute capability 9.0 and Hq / Hkv divides its 64-row tile; JAX_MILA_FLASH512_SM90=0
+turns it off.
 GPU (cc 9.0, built with JAX_MILA_KERNELS=...;flash512_sm90): the new kernel against the
 mma.sync kernel (its oracle) on the same inputs, called through both FFI targets directly,
 so that neither routing nor the environment can make the comparison vacuous. The full
-contract suite is tests/test_flash_attention.py run with JAX_MILA_FLASH512_SM90=1; the
-test here also proves that the variable really routes to the new target.
+contract suite (tests/test_flash_attention.py) runs both: its default D=512 class through this
+kernel, its MmaSync class with the variable set to 0; the test here also proves that the
+default really routes to the new target and that 0 routes away from it.
 """
 
 from __future__ import annotations
@@ -43,11 +45,11 @@ class RoutingTest(parameterized.TestCase):
                 os.environ.pop(ENV, None)
             return attention._d512_target(*_shapes(hq, hkv))
 
-    def test_opt_in_on_hopper_routes_to_sm90(self):
-        self.assertEqual(self._target("1", ((9, 0),), {MMA, SM90}), SM90)
+    @parameterized.named_parameters(("_env_unset", None), ("_env_one", "1"))
+    def test_hopper_routes_to_sm90_by_default(self, env):
+        self.assertEqual(self._target(env, ((9, 0),), {MMA, SM90}), SM90)
 
     @parameterized.named_parameters(
-        ("_env_unset", None, ((9, 0),), {MMA, SM90}, 16, 1),
         ("_env_zero", "0", ((9, 0),), {MMA, SM90}, 16, 1),
         ("_not_built", "1", ((9, 0),), {MMA}, 16, 1),
         ("_ampere", "1", ((8, 0),), {MMA, SM90}, 16, 1),
@@ -113,12 +115,16 @@ class Sm90VersusMmaSyncGpuTest(parameterized.TestCase):
         # Not vacuous: the inputs give non-trivial outputs.
         self.assertGreater(float(np.abs(o0).max()), 1e-3, msg)
 
-    def test_env_routes_to_sm90(self):
+    @parameterized.named_parameters(("_default", None, True), ("_env_zero", "0", False))
+    def test_routing_reaches_the_hlo(self, env, sm90):
         q = jnp.zeros((1, 8, 16, 512), jnp.bfloat16)
-        with mock.patch.dict(os.environ, {ENV: "1"}):
+        with mock.patch.dict(os.environ, {} if env is None else {ENV: env}):
+            if env is None:
+                os.environ.pop(ENV, None)
             hlo = jax.jit(lambda q: ffi.flash_attention(q, q[:, :, :1], q[:, :, :1], scale=1.0,
                                                         causal=True)).lower(q).as_text()
-        self.assertIn(SM90, hlo)
+        (self.assertIn if sm90 else self.assertNotIn)(SM90, hlo)
+        self.assertIn(SM90 if sm90 else MMA, hlo)
 
 
 if __name__ == "__main__":

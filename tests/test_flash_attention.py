@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -403,7 +404,9 @@ def _check_shard_map(tc, d, devices=None):
 # GPU: the CUDA kernel of one head dim. One class per head dim (so -k d256 / -k d512 pick one).
 
 
-def _make_gpu_test_class(d: int):
+def _make_gpu_test_class(d: int, env: dict[str, str] | None = None):
+    """The suite for head dim ``d`` through ffi.flash_attention, with ``env`` set while each test
+    runs (the routing variables are read at trace time)."""
     target = f"jax_mila_flash_attention_d{d}"
     params = [dict(testcase_name=f"_{c[0]}", case=c[1:]) for c in CASES]
     small = [p for p in params if p["testcase_name"].startswith("_small")]
@@ -414,6 +417,10 @@ def _make_gpu_test_class(d: int):
         def setUp(self):
             super().setUp()
             testing.skip_unless_kernel(self, "flash_attention", target)
+            if env:
+                patch = mock.patch.dict(os.environ, env)
+                patch.start()
+                self.addCleanup(patch.stop)
 
         @parameterized.named_parameters(*params)
         def test_matches_oracle(self, case):
@@ -476,8 +483,12 @@ def _make_gpu_test_class(d: int):
     return GpuTest
 
 
+# On an H200 the default classes run the Hopper kernels (flash256_sm90, flash512_sm90); the
+# MmaSync classes keep the portable mma.sync kernels under the whole contract there too.
 FlashAttentionD256GpuTest = _make_gpu_test_class(256)
+FlashAttentionD256MmaSyncGpuTest = _make_gpu_test_class(256, {"JAX_MILA_FLASH256_SM90": "0"})
 FlashAttentionD512GpuTest = _make_gpu_test_class(512)
+FlashAttentionD512MmaSyncGpuTest = _make_gpu_test_class(512, {"JAX_MILA_FLASH512_SM90": "0"})
 
 
 if __name__ == "__main__":

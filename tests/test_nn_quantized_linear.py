@@ -79,9 +79,9 @@ class QuantizedLinearTest(parameterized.TestCase):
         want = _composition(x, q.mxfp4, dtype, quantizer)
         got = q(x)
         if backend == "auto" and testing.has_cuda():  # the kernel: float32 summation order
-            # (on Hopper "auto" is the wgmma kernel: FP8 accumulation, ~1e-4; jax_mila/ffi/w4a8.py)
+            # (on Hopper "auto" is a wgmma kernel: FP8 accumulation, ~1e-4; jax_mila/ffi/w4a8.py)
             from jax_mila.ffi import w4a8 as w4a8_module
-            f32_tol = 4e-4 if w4a8_module.auto_kernel() == "wgmma" else 1e-5
+            f32_tol = 1e-5 if w4a8_module.auto_kernel() == "mma_sync" else 4e-4
             self.assertLess(testing.rel_fro_err(got, want),
                             f32_tol if dtype == jnp.float32 else 4e-3)
         else:

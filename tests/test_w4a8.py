@@ -134,11 +134,11 @@ class W4A8ReferenceTest(parameterized.TestCase):
         np.testing.assert_array_equal(np.asarray(y),
                                       np.asarray(reference.w4a8_matmul(xq, xs, w)))
 
-    def test_auto_picks_wgmma_only_on_sm90_with_sm90a_code(self):
+    def test_auto_picks_wgmma_ws_only_on_sm90_with_sm90a_code(self):
         # (build archs, GPUs) -> (auto_kernel(), the handler's variant for "auto"). Variant 0
-        # lets the handler pick wgmma per 9.0 device; without sm_90a code it must be mma_sync (1).
-        cases = [("80-real,89-real,90a", ((9, 0),), "wgmma", 0),
-                 ("90a-real", ((9, 0), (9, 0)), "wgmma", 0),
+        # lets the handler pick wgmma_ws per 9.0 device; without sm_90a code it must be mma_sync (1).
+        cases = [("80-real,89-real,90a", ((9, 0),), "wgmma_ws", 0),
+                 ("90a-real", ((9, 0), (9, 0)), "wgmma_ws", 0),
                  ("80-real,89-real,90a", ((8, 9),), "mma_sync", 0),
                  ("80-real,89-real,90a", ((9, 0), (8, 9)), "mma_sync", 0),
                  ("80-real,89-real", ((9, 0),), "mma_sync", 1),
@@ -152,7 +152,7 @@ class W4A8ReferenceTest(parameterized.TestCase):
                 self.assertEqual(w4a8_module._variant("auto"), variant)
                 self.assertEqual(w4a8_module._variant("mma_sync"), 1)
                 self.assertEqual(w4a8_module._variant("wgmma"), 2)
-                self.assertEqual(w4a8_module._variant("wgmma_ws"), 3)  # never chosen by "auto"
+                self.assertEqual(w4a8_module._variant("wgmma_ws"), 3)
         with mock.patch.object(w4a8_module, "AUTO_WGMMA_ON_SM90", False), \
              mock.patch.object(w4a8_module, "build_info", return_value={"cuda_archs": "90a"}), \
              mock.patch.object(w4a8_module, "cuda_capabilities", return_value=((9, 0),)):

@@ -159,6 +159,15 @@ __device__ __forceinline__ void tma_load_4d_multicast(uint32_t dst, const void* 
 #endif
 }
 
+// ---- named barriers between warpgroups -------------------------------------------
+
+// Arrival without waiting on named barrier `id` (1..15), whose phase completes when
+// `nthreads` threads (whole warps) have arrived or synced on it (ptx::named_barrier_sync).
+// Pairs a producer-side signal with the other side's bar.sync (flash256_sm90's ping-pong).
+__device__ __forceinline__ void named_barrier_arrive(int id, int nthreads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
+}
+
 // ---- register reallocation between warpgroups ---------------------------------
 
 template <int N>

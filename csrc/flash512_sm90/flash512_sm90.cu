@@ -2,7 +2,7 @@
 // warp specialisation, written with inline PTX (common/ptx_sm90.cuh). Same contract and results as
 // the portable mma.sync kernel (flash512/flash512.cu), which stays the oracle.
 //
-// Geometry (first step of issue 7: correct and non-persistent; see "Not yet" below).
+// Geometry (non-persistent; see "Not yet" below).
 //   * One CTA = 3 warpgroups (384 threads) per M tile of 64 packed rows (4 positions x 16
 //     query heads of one KV head, packed row r = t * G + g, as in flash512.cu), so every
 //     K/V tile is read once for all G heads. Grid (M tiles reversed: longest first, Hkv, B).
@@ -49,8 +49,9 @@
 //   S exchange buffer red[c] (written by consumer c, read by 1-c), one per consumer: written
 //   at tile i+1 only after consumer c waited k_full of tile i+1, which completes after the
 //   producer saw k_empty of tile i, which consumer 1-c's warps arrive on only after reading
-//   red[c] of tile i. Within a tile, the named barrier (id 1, 256 threads) orders both
-//   writes before both reads.
+//   red[c] of tile i; and directly by named barrier 2 + c (reader arrives after its read of
+//   tile i, writer syncs before its write of tile i+1). Within a tile, the named barrier (id 1,
+//   256 threads) orders both writes before both reads.
 //   wgmma register hazards: wgmma.fence before each batch (orders the preceding register
 //   writes: O rescale, P conversion); wait_group 0 then fence_operand on every accumulator /
 //   A register before any thread touches them. The producer never writes shared memory with
@@ -85,9 +86,12 @@
 // before any multicast or remote arrival) and at the end (no CTA exits while the other may
 // still arrive on its barriers); the full barriers are waited with acquire.cluster.
 //
-// Not yet (next steps of issue 7): overlap of softmax with the other consumer's / the next
-// tile's wgmma (ping-pong or split S), 2-stage K/V buffers, a persistent causal scheduler,
-// TMA multicast of K/V over a 2-CTA cluster, M = 128 rows, staged (TMA) output stores.
+// Measured on the H200 (S=16K, docs/performance.md): 474 TFLOP/s, tensor pipe 52% busy, issue
+// slots 31%, top stall the consumers' barrier. Each tile runs S wgmma, exchange, softmax, PV
+// wgmma and the next single-buffered K/V copy in series. Not yet (next steps of issue 7): a
+// second K/V stage (no room at 64-key tiles: Q + K + V + exchange = 224 KB; 32-key tiles with
+// two stages would fit in 208 KB) so that S_{i+1} is issued before softmax_i; a persistent
+// causal scheduler; staged (TMA) output stores. The 2-CTA multicast variant exists and is slower.
 #include <cuda.h>  // CUtensorMap and its enums (the driver entry point is fetched at run time)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -98,6 +102,7 @@
 #include "common/attention_params.h"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
+#include "common/tensor_map.h"
 #include "flash512_sm90/flash512_sm90.h"
 
 namespace mila {
@@ -337,6 +342,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int e = 0; e < 32; ++e) hx::fence_operand(s[e]);
 
       // ---- Exchange the D-half partials: S = S_c + S_{1-c} (same bits in both consumers).
+      // red[c] is rewritten here (tile i >= 1) only after consumer 1-c read it at tile i-1: it
+      // arrived on named barrier 2 + c after that read, this warpgroup syncs on it now (128 +
+      // 128 threads). The mbarrier chain red read -> k_empty -> producer -> k_full -> this
+      // write orders the two as well, but through the producer thread, which compute-sanitizer
+      // racecheck does not follow (it reported the pair); the barrier costs no wait in
+      // practice, the other consumer arrived a whole tile earlier.
+      if (i > 0) px::named_barrier_sync(2 + c, 256);
 #pragma unroll
       for (int j = 0; j < 8; ++j)
         red_mine[j * 128 + ct] = make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
@@ -349,6 +361,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         s[4 * j + 2] += v.z;
         s[4 * j + 3] += v.w;
       }
+      // Done reading red[1-c]: its writer may refill it at the next tile (none after the last,
+      // so every phase of barriers 2 and 3 completes: n - 1 arrivals and n - 1 syncs each).
+      if (tile + 1 < tile_hi) hx::named_barrier_arrive(2 + (1 - c), 256);
       // This warp is done with K_i (wgmmas retired) and with red[1-c] of tile i.
       release(k_empty_own, k_empty_peer);
 
@@ -469,46 +484,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// cuTensorMapEncodeTiled, fetched from the driver through the runtime (no -lcuda).
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-EncodeTiledFn GetEncodeTiled() {
-  static const EncodeTiledFn fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-#if CUDART_VERSION >= 12050
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
-                                                             cudaEnableDefault, &status);
-#else
-    const cudaError_t err =
-        cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &status);
-#endif
-    return (err == cudaSuccess && status == cudaDriverEntryPointSuccess)
-               ? reinterpret_cast<EncodeTiledFn>(ptr)
-               : nullptr;
-  }();
-  return fn;
-}
-
 // A 4-D bf16 tensor map {512, d1, d2, d3} (row-major, innermost first) with 128-byte swizzle.
-bool EncodeMap(EncodeTiledFn encode, CUtensorMap* map, const void* ptr, uint64_t d1, uint64_t d2,
-               uint64_t d3, uint32_t box1, uint32_t box2) {
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(kD), d1, d2, d3};
-  const cuuint64_t strides[3] = {kD * 2ull, kD * 2ull * d1, kD * 2ull * d1 * d2};  // bytes
-  const cuuint32_t box[4] = {64, box1, box2, 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(ptr), dims, strides,
-                box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+bool EncodeMap(tma::EncodeTiledFn encode, CUtensorMap* map, const void* ptr, uint64_t d1,
+               uint64_t d2, uint64_t d3, uint32_t box1, uint32_t box2) {
+  return tma::EncodeBf16Swizzled(encode, map, ptr, kD, d1, d2, d3, box1, box2);
 }
 
 // Developer knob, read once per process: JAX_MILA_FLASH512_SM90_CLUSTER=2 runs the 2-CTA
 // cluster variant (adjacent M tiles share every K/V tile through TMA multicast: half the
-// L2->SM traffic). Default 1 until it is measured and tested on the H200.
+// L2->SM traffic). Default 1: on the H200 the pair's lock-step per tile cost more than the
+// traffic saved (325 vs 474 TFLOP/s at S=16K, docs/performance.md).
 int ClusterSize() {
   static const int v = [] {
     const char* env = std::getenv("JAX_MILA_FLASH512_SM90_CLUSTER");
@@ -564,7 +549,7 @@ cudaError_t LaunchFlashAttentionD512Sm90(const AttentionParams& p, cudaStream_t 
   if (major != 9 || minor != 0) return cudaErrorInvalidDeviceFunction;
   const int G = p.hq / p.hkv;
   if (G <= 0 || kBlockM % G != 0) return cudaErrorInvalidConfiguration;
-  const EncodeTiledFn encode = GetEncodeTiled();
+  const tma::EncodeTiledFn encode = tma::Encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
 
   CUtensorMap tm_q, tm_k, tm_v;

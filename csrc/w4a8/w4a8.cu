@@ -456,9 +456,10 @@ cudaError_t LaunchW4A8Matmul(const W4A8Args& args, W4A8Variant variant, int cc,
                              cudaStream_t stream) {
   if (cc < kW4A8MinComputeCapability) return cudaErrorNoKernelImageForDevice;
   if (variant == W4A8Variant::kAuto) {
-    // Hopper runs FP8 mma.sync at the fp16 rate; its native FP8 path is wgmma. (The Python
-    // wrapper sends kAuto only for builds that hold the sm_90a code.)
-    variant = cc == 90 ? W4A8Variant::kWgmma : W4A8Variant::kMmaSync;
+    // Hopper runs FP8 mma.sync at the fp16 rate; its native FP8 path is wgmma, fastest in the
+    // warp-specialized kernel (docs/performance.md). (The Python wrapper sends kAuto only for
+    // builds that hold the sm_90a code.)
+    variant = cc == 90 ? W4A8Variant::kWgmmaWs : W4A8Variant::kMmaSync;
   }
   if (variant == W4A8Variant::kWgmmaWs) {
     return cc == 90 ? LaunchW4A8WgmmaWs(args, stream) : cudaErrorNoKernelImageForDevice;

@@ -40,8 +40,6 @@
 //
 // Sizes: K % 128 == 0, N % 8 == 0 (weight rows past N: TMA zero-fill -> zero weights; exponents
 // zero-filled by cp.async), any M >= 1 (rows past M: TMA zero-fill, never stored), M < 2^31.
-#include <cuda.h>  // CUtensorMap (types only: the encoder comes through the runtime)
-#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <cmath>
@@ -49,6 +47,7 @@
 #include <type_traits>
 
 #include "common/ptx.cuh"
+#include "common/tensor_map.h"
 #include "w4a8/w4a8_convert.cuh"
 #include "w4a8/w4a8_kernel.h"
 
@@ -342,25 +341,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- host -----------------------------------------------------------------------------------
 
-// cuTensorMapEncodeTiled through the runtime's driver entry point (no libcuda link).
-PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult status;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
-                                         &status) != cudaSuccess ||
-        status != cudaDriverEntryPointSuccess) {
-      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
 // 2-D uint8 tensor [rows, cols] (row stride `cols` bytes), box [box_rows, box_cols].
 cudaError_t EncodeMap(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols,
                       uint32_t box_rows, uint32_t box_cols, CUtensorMapSwizzle swizzle) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
+  const tma::EncodeTiledFn encode = tma::Encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint64_t dims[2] = {cols, rows};
   const cuuint64_t strides[1] = {cols};

@@ -25,7 +25,8 @@ DISABLE_ENV = "JAX_MILA_DISABLE"
 OPS: dict[str, tuple[str, ...]] = {
     "quantize_activations": ("jax_mila_quantize_activations",),
     "flash_attention": ("jax_mila_flash_attention_d256", "jax_mila_flash_attention_d512",
-                        "jax_mila_flash_attention_d512_sm90"),  # the last: opt-in, Hopper only
+                        "jax_mila_flash_attention_d512_sm90",  # the last two: Hopper only
+                        "jax_mila_flash_attention_d256_sm90"),
     "w4a8_matmul": ("jax_mila_w4a8_matmul",),
 }
 

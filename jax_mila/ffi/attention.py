@@ -25,19 +25,36 @@ MAX_GROUPS = 16
 # The D=512 kernel keeps a 64 x 512 Q tile resident beside its K and V tiles: it needs the
 # 160+ KB of shared memory per block of sm_80 and sm_90 (sm_86/sm_89 offer 99 KB).
 D512_CAPABILITIES = ((8, 0), (9, 0))
-# Opt-in Hopper (wgmma + TMA) D=512 kernel, csrc/flash512_sm90/: used only with
-# JAX_MILA_FLASH512_SM90=1, when built (JAX_MILA_KERNELS=...;flash512_sm90), on cc 9.0 GPUs
-# only, and when Hq / Hkv divides its 64-row tile; otherwise the mma.sync kernel as before.
+# Hopper (wgmma + TMA) D=512 kernel, csrc/flash512_sm90/: the default when it is built (every
+# build whose architectures include 90a), every GPU has compute capability 9.0 and Hq / Hkv
+# divides its 64-row tile; otherwise the mma.sync kernel, which stays the portable path and the
+# oracle. JAX_MILA_FLASH512_SM90=0 turns it off (read at trace time).
 D512_SM90_TARGET = "jax_mila_flash_attention_d512_sm90"
 
 
 def _d512_target(q, k) -> str:
-    if (os.environ.get("JAX_MILA_FLASH512_SM90") == "1"
+    if (os.environ.get("JAX_MILA_FLASH512_SM90", "1") != "0"
             and D512_SM90_TARGET in _registered_targets()
             and cuda_capabilities() and all(cc == (9, 0) for cc in cuda_capabilities())
             and 64 % (q.shape[2] // k.shape[2]) == 0):
         return D512_SM90_TARGET
     return "jax_mila_flash_attention_d512"
+
+
+# Hopper (wgmma + TMA) D=256 kernel, csrc/flash256_sm90/: the default when it is built (every
+# build whose architectures include 90a), every GPU has compute capability 9.0 and Hq / Hkv
+# divides a consumer warpgroup's 64 rows; otherwise the mma.sync kernel, which stays the
+# portable path and the oracle. JAX_MILA_FLASH256_SM90=0 turns it off (read at trace time).
+D256_SM90_TARGET = "jax_mila_flash_attention_d256_sm90"
+
+
+def _d256_target(q, k) -> str:
+    if (os.environ.get("JAX_MILA_FLASH256_SM90", "1") != "0"
+            and D256_SM90_TARGET in _registered_targets()
+            and cuda_capabilities() and all(cc == (9, 0) for cc in cuda_capabilities())
+            and 64 % (q.shape[2] // k.shape[2]) == 0):
+        return D256_SM90_TARGET
+    return "jax_mila_flash_attention_d256"
 
 
 def _validate(q, k, v, scale, causal, window, q_offset, kv_offset) -> None:
@@ -93,15 +110,16 @@ def _make_call(target, scale, causal, window):
     device_ok = None
     if target.endswith("d512"):
         device_ok = lambda cc: cc in D512_CAPABILITIES  # noqa: E731
-    elif target == D512_SM90_TARGET:
+    elif target in (D512_SM90_TARGET, D256_SM90_TARGET):
         device_ok = lambda cc: cc == (9, 0)  # noqa: E731
+    requirement = ("the D=512 kernel needs >= 160 KB of shared memory per block (sm_80, sm_90)"
+                   if target != D256_SM90_TARGET else "the wgmma D=256 kernel runs on sm_90 only")
 
     @jax.custom_batching.custom_vmap
     def call(q, k, v, q_offset, kv_offset):
         return dispatch(OP, kernel, ref, q, k, v, q_offset, kv_offset, target=target,
                         device_ok=device_ok,
-                        device_requirement="the D=512 kernel needs >= 160 KB of shared memory "
-                                           "per block (sm_80, sm_90)")
+                        device_requirement=requirement)
 
     @call.def_vmap
     def _batched(axis_size, in_batched, q, k, v, q_offset, kv_offset):
@@ -131,7 +149,7 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, q_offset=
     _validate(q, k, v, scale, causal, window, q_offset, kv_offset)
     d = q.shape[-1]
     scale = float(d**-0.5 if scale is None else scale)
-    target = _d512_target(q, k) if d == 512 else f"jax_mila_flash_attention_d{d}"
+    target = _d512_target(q, k) if d == 512 else _d256_target(q, k)
     call = _make_call(target, scale, bool(causal), window)
     o, lse = call(q, k, v, jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32))
     return (o, lse) if return_lse else o

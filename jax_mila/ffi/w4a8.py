@@ -15,10 +15,10 @@ ptxas lowers FP8 mma.sync to fp16 HMMA, about half the FP8 rate) and "wgmma" (sm
 wgmma.m64n128k32 FP8 with the converted weights as the register operand) and "wgmma_ws" (sm_90a
 only: the same math, warp-specialized: a TMA producer warpgroup with an mbarrier ring, two
 consumer warpgroups, persistent tile scheduling; csrc/w4a8/w4a8_sm90_ws.cu). "auto" (default) runs
-wgmma on compute capability 9.0 when this build has sm_90a code (JAX_MILA_CUDA_ARCHS includes
+wgmma_ws on compute capability 9.0 when this build has sm_90a code (JAX_MILA_CUDA_ARCHS includes
 90a, the default), mma_sync otherwise; ``auto_kernel()`` says which one for this process
 (AUTO_WGMMA_ON_SM90 = False turns the wgmma choice off). Hopper's FP8 wgmma accumulates at
-reduced precision (~14 bits, truncated); the wgmma kernel therefore sums every 128-long K chunk
+reduced precision (~14 bits, truncated); both wgmma kernels therefore sum every 128-long K chunk
 in a fresh accumulator and adds it into float32 registers (DeepGEMM-style promotion), so the
 error no longer grows with K: relative Frobenius error ~1e-4 at any K (unpromoted it was 1.6e-3
 at K=15360), against < 1e-5 for mma_sync's float32 accumulation. The FP8 product rounding inside
@@ -37,10 +37,11 @@ a float64 product: relative Frobenius error 5.6e-8 with out_dtype=float32 and 1.
 bfloat16 (the bf16 rounding of the output alone is 1.7e-3). The MXFP4 weight quantization itself
 costs ~12% relative error against unquantized Gaussian weights (e2m1 has one mantissa bit).
 
-Status (H200, 2026-11-30): the mma_sync kernel and the promoted wgmma kernel ("auto" on sm_90a)
-pass tests/test_w4a8.py's GPU class (odd M, poisoned outputs, exponent-floor exactness; K=15360
-relative error 6.0e-8 and 5.6e-5, float32 out); speed in docs/performance.md. "wgmma_ws" is
-new and has NOT run on a GPU yet. JAX_MILA_DISABLE=w4a8_matmul routes to the reference.
+Status (H200, 2026-11-30): all three kernels pass tests/test_w4a8.py's GPU class (odd M,
+poisoned outputs, exponent-floor exactness; K=15360 relative error 6.0e-8 for mma_sync, 5.6e-5
+for wgmma, under 4e-4 for wgmma_ws, float32 out); at M=16384 wgmma_ws runs 976-1008 TFLOP/s
+against wgmma's 837-912 (docs/performance.md), hence "auto". JAX_MILA_DISABLE=w4a8_matmul routes
+to the reference.
 """
 
 from __future__ import annotations
@@ -74,16 +75,16 @@ def _wgmma_built() -> bool:
 
 
 def auto_kernel() -> str:
-    """The kernel that kernel="auto" runs in this process: "wgmma" when every GPU is compute
+    """The kernel that kernel="auto" runs in this process: "wgmma_ws" when every GPU is compute
     capability 9.0 and the build has sm_90a code, "mma_sync" otherwise (with several GPU
     kinds the handler picks per device)."""
     caps = cuda_capabilities()
     hopper = bool(caps) and all(c == (9, 0) for c in caps)
-    return "wgmma" if AUTO_WGMMA_ON_SM90 and hopper and _wgmma_built() else "mma_sync"
+    return "wgmma_ws" if AUTO_WGMMA_ON_SM90 and hopper and _wgmma_built() else "mma_sync"
 
 
 def _variant(kernel: str) -> int:
-    # "auto" reaches the handler as "auto" (it picks wgmma on a 9.0 device) only when the build
+    # "auto" reaches the handler as "auto" (it picks wgmma_ws on a 9.0 device) only when the build
     # has the sm_90a wgmma code: without it a 9.0 device would run a PTX-JIT kernel that traps.
     if kernel == "auto" and not (AUTO_WGMMA_ON_SM90 and _wgmma_built()):
         return KERNELS["mma_sync"]
