@@ -37,15 +37,21 @@ grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/build.log" | sed 's/
 
 cd /tmp  # import the installed package, not the source tree
 
-# One entry of BENCHES / SIDE / MULTI: "[VAR=value ...] script.py args" (a script under the repo),
-# run under a timeout (a deadlocked kernel or a stuck compile must not eat the round); its
-# output is appended to the log named second.
+# One entry of BENCHES / SIDE / MULTI: "[VAR=value ...] script.py args" (a script under the repo)
+# or "[VAR=value ...] pytest tests/... args", run under a timeout (a deadlocked kernel or a stuck
+# compile must not eat the round); its output is appended to the log named second.
 run_entry() {  # entry, log, timeout
-  local words envs=()
+  local words envs=() cmd
   read -ra words <<< "$1"
   while [[ ${words[0]} == *=* ]]; do envs+=("${words[0]}"); words=("${words[@]:1}"); done
   echo "== ${envs[*]} ${words[*]}" >> "$2"
-  timeout "$3" env "${envs[@]}" python3 "$REPO/${words[0]}" "${words[@]:1}" >> "$2" 2>&1
+  if [ "${words[0]}" = pytest ]; then
+    cmd=(python3 -m pytest -q -p no:cacheprovider -rfs "${words[@]:1}")
+    cmd=("${cmd[@]/#tests/$REPO/tests}")
+  else
+    cmd=(python3 "$REPO/${words[0]}" "${words[@]:1}")
+  fi
+  timeout "$3" env "${envs[@]}" "${cmd[@]}" >> "$2" 2>&1
   local rc=$?
   [ $rc = 124 ] && echo "   (timed out after $3 s)" | tee -a "$2"
   return $rc

@@ -114,7 +114,7 @@ class ChunkedPrefillTest(parameterized.TestCase):
 
     def test_one_compile_for_all_chunks(self):
         model = tiny_model()
-        before = gen._prefill_chunk._cache_size()
+        before = gen.chunk_step_fn(model)._cache_size()
         ids = prompt(0, 33)  # 5 chunks of 7, the last one padded (5 real tokens)
         ref, _ = gemma4.prefill(model, ids, max_cache_len=40)
         logits, cache = gemma4.prefill(model, ids, chunk_size=7, max_cache_len=40)
@@ -122,7 +122,7 @@ class ChunkedPrefillTest(parameterized.TestCase):
         assert_close_logits(logits, ref)
         # Another prompt length (3 chunks, last with 1 real token) reuses the same step.
         gemma4.prefill(model, ids[:, :15], chunk_size=7, max_cache_len=40)
-        self.assertEqual(gen._prefill_chunk._cache_size() - before, 1)
+        self.assertEqual(gen.chunk_step_fn(model)._cache_size() - before, 1)
 
     def test_progress_bar(self):
         model = tiny_model()
@@ -149,10 +149,10 @@ class ChunkedPrefillTest(parameterized.TestCase):
         # chunk_size=None chunks a prompt longer than the default chunk.
         ids = prompt(0, 9)
         ref, _ = gemma4.prefill(model, ids)
-        before = gen._prefill_chunk._cache_size()
+        before = gen.chunk_step_fn(model)._cache_size()
         with mock.patch.object(gen, "DEFAULT_CHUNK", 4):
             logits, cache = gemma4.prefill(model, ids)
-        self.assertEqual(gen._prefill_chunk._cache_size() - before, 1)
+        self.assertEqual(gen.chunk_step_fn(model)._cache_size() - before, 1)
         assert_close_logits(logits, ref)
 
     def test_bf16_kernel_head_dims_through_ffi(self):

@@ -2,8 +2,16 @@
 
     python3 benchmarks/prefill.py [--model 12b] [--seqs 4096,8192,16384,32768,65536]
         [--backends mila,reference,transformers] [--chunk-size 4096|auto] [--memory-budget-gib 12]
-        [--reps 3] [--embed-dtype bfloat16|float8_e4m3fn] [--no-profile]
+        [--reps 3] [--embed-dtype bfloat16|float8_e4m3fn] [--no-profile] [--devices 1,2]
     (also: python -m jax_mila bench prefill [same options])
+
+Devices (``--devices 1,2``): each count runs in its own worker process; N > 1 runs the same
+random model (built replicated on every device: each draws its own copy) through
+``gemma4.prefill(mesh=...)`` over a "seq" mesh axis of N devices (context parallelism,
+jax_mila.parallel.chunked; the chunk is rounded up to a multiple of N). Peak memory is then
+per device (every device's allocator peak; the tables show the largest), the KV cache per
+device (its largest shard), and a scaling table compares each N with the same run's N = 1
+point (speedup, efficiency = speedup / N).
 
 Model: ``--model`` is a model card ("12b", "embedded", ...) or a directory with config.json;
 random weights made on the device (jax_mila.gemma4.random_init: MXFP4 linears, bf16 or FP8
@@ -99,19 +107,36 @@ def _jax_worker(spec: dict) -> None:
     # The module, not the function of the same name that jax_mila.gemma4 exports.
     generate = importlib.import_module("jax_mila.gemma4.generate")
 
-    dev = jax.devices()[0]
+    n_dev = spec.get("devices", 1)
+    if len(jax.devices()) < n_dev:
+        raise SystemExit(f"{spec['backend']}: --devices {n_dev} but only {len(jax.devices())} "
+                         f"visible: {jax.devices()}")
+    devs = jax.devices()[:n_dev]
+    dev = devs[0]
+    mesh, sharding = None, None
+    if n_dev > 1:  # context parallelism: weights replicated, each chunk split over "seq"
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: PLC0415
+
+        mesh = Mesh(np.array(devs), ("seq",))
+        sharding = NamedSharding(mesh, PartitionSpec())
+
+    def peaks():
+        """peak_bytes_in_use of every device of the run (None where not reported)."""
+        return [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devs]
 
     def peak():
-        stats = dev.memory_stats() or {}
-        return stats.get("peak_bytes_in_use")
+        values = [p for p in peaks() if p is not None]
+        return max(values) if values else None
 
     backend = "auto" if spec["backend"] == "mila" else "reference"
     t0 = time.perf_counter()
     model = random_init.random_model(spec["model"], backend=backend, quantize=spec["quantize"],
-                                     embed_dtype=spec["embed_dtype"], seed=spec["seed"])
+                                     embed_dtype=spec["embed_dtype"], seed=spec["seed"],
+                                     sharding=sharding)
     jax.block_until_ready(nnx.state(model))
     weights, init_peak = random_init.weight_bytes(model), peak()
-    print(f"{spec['backend']}: model built on {dev} in {time.perf_counter() - t0:.1f} s, "
+    where = dev if n_dev == 1 else f"{n_dev} devices (replicated; seq axis)"
+    print(f"{spec['backend']}: model built on {where} in {time.perf_counter() - t0:.1f} s, "
           f"weights {_gib(weights)}", flush=True)
     seqs = sorted(spec["seqs"])
     auto = generate.default_chunk_size(model, 1, seqs[-1], memory_limit=int(spec["memory_budget_gib"] * GiB))
@@ -121,13 +146,15 @@ def _jax_worker(spec: dict) -> None:
     rng = np.random.default_rng(spec["seed"])
     previous_peak = init_peak
     for length in seqs:
-        row = dict(backend=spec["backend"], seq=length, chunk=min(chunk, length), weights_bytes=weights,
-                   init_peak_bytes=init_peak, device=str(dev))
+        row_chunk = -(-min(chunk, length) // n_dev) * n_dev  # the seq axis splits each chunk
+        row = dict(backend=spec["backend"], seq=length, chunk=row_chunk, weights_bytes=weights,
+                   init_peak_bytes=init_peak, device=str(dev), devices=n_dev)
         ids = jnp.asarray(rng.integers(3, model.config.vocab_size, (1, length), dtype=np.int32))
+        mesh_kw = {} if mesh is None else dict(mesh=mesh, seq_segments=spec.get("seq_segments"))
 
         def run():
             out = generate.prefill(model, ids, chunk_size=row["chunk"],
-                                   kv_cache_dtype=spec.get("kv_cache_dtype"))
+                                   kv_cache_dtype=spec.get("kv_cache_dtype"), **mesh_kw)
             jax.block_until_ready(out)
             return out
 
@@ -135,7 +162,9 @@ def _jax_worker(spec: dict) -> None:
             t = time.perf_counter()
             out = run()
             row["first_s"] = time.perf_counter() - t
-            row["cache_bytes"] = sum(int(x.nbytes) for x in jax.tree.leaves(out[1]))
+            # Per device: a position-sharded buffer counts its largest shard.
+            row["cache_bytes"] = sum(max(int(s.data.nbytes) for s in x.addressable_shards)
+                                     for x in jax.tree.leaves(out[1]))
             row["finite"] = bool(jnp.all(jnp.isfinite(out[0].astype(jnp.float32))))
             del out  # never two caches alive at once: the peak is one prefill's
             times = _timed_runs(run, spec["warmup"], spec["reps"])
@@ -143,17 +172,21 @@ def _jax_worker(spec: dict) -> None:
             row["median_s"] = statistics.median(times)
             row["tokens_per_s"] = length / row["median_s"]
             p = peak()
+            if n_dev > 1:
+                row["peak_bytes_per_device"] = peaks()
             if p is not None:
                 row["peak_bytes"] = p
                 row["peak_is_upper_bound"] = previous_peak is not None and p <= previous_peak
                 row["activations_bytes"] = p - weights - row["cache_bytes"]
                 row["activation_bytes_per_token"] = row["activations_bytes"] / row["chunk"]
                 previous_peak = p
-            if spec.get("memory_plan") and row["chunk"] < length:
+            if spec.get("memory_plan") and row["chunk"] < length and n_dev == 1:
                 row["plan_temp_bytes"] = _chunk_step_temp_bytes(generate, model, row["chunk"], length,
                                                                 spec.get("kv_cache_dtype"))
             if spec["profile"]:
                 row["split_ms"], row["split_note"] = _profile(run, trace_mod)
+                if n_dev > 1 and row["split_ms"]:
+                    row["split_note"] += f" (summed over the {n_dev} devices)"
             row["status"] = "ok"
         except Exception as e:  # noqa: BLE001 -- reported per point, the run goes on
             row["status"] = "OOM" if _is_oom(e) else f"error: {type(e).__name__}: {str(e)[:300]}"
@@ -177,7 +210,7 @@ def _chunk_step_temp_bytes(generate, model, chunk: int, length: int, kv_cache_dt
                                             full_dtype=kv_cache_dtype))
     ids = jax.ShapeDtypeStruct((1, chunk), jnp.int32)
     valid = jax.ShapeDtypeStruct((), jnp.int32)
-    analysis = generate._prefill_chunk.lower(graphdef, abstract(state), cache, ids, valid) \
+    analysis = generate.chunk_step_fn(model).lower(graphdef, abstract(state), cache, ids, valid) \
         .compile().memory_analysis()
     return None if analysis is None else int(analysis.temp_size_in_bytes)
 
@@ -324,17 +357,18 @@ def _run_worker(spec: dict, timeout: float) -> list[dict]:
     finally:
         timer.cancel()
     done = {r["seq"] for r in rows}
+    extra = {} if spec.get("devices", 1) == 1 else dict(devices=spec["devices"])
     timed_out = proc.returncode is not None and proc.returncode < 0
     why = f"timed out after {timeout:.0f} s" if timed_out else f"worker exited {proc.returncode}"
     for length in spec["seqs"]:
         if length not in done:
-            rows.append(dict(backend=spec["backend"], seq=length,
+            rows.append(dict(backend=spec["backend"], seq=length, **extra,
                              status=f"not run ({why}): {' | '.join(tail[-2:])[:300]}"))
     return rows
 
 
 def _summary(row: dict) -> str:
-    head = f"{row['backend']:>12} {row['seq']:>6}"
+    head = f"{_label(row):>12} {row['seq']:>6}"
     if row.get("status") != "ok":
         return f"{head}: {row.get('status')}"
     peak = f", peak {_gib(row.get('peak_bytes'))}" if row.get("peak_bytes") else ""
@@ -353,9 +387,52 @@ def _table(header, rows) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
+def _label(row: dict) -> str:
+    """The series a row belongs to: its backend, with the device count when above one."""
+    n = row.get("devices", 1)
+    return row["backend"] if n == 1 else f"{row['backend']} x{n}"
+
+
+def _series(rows: list[dict], backends: list[str]) -> list[str]:
+    out = []
+    for b in backends:
+        counts = sorted({r.get("devices", 1) for r in rows if r["backend"] == b}) or [1]
+        out += [_label(dict(backend=b, devices=n)) for n in counts]
+    return out
+
+
+def scaling(rows: list[dict], backends: list[str], seqs: list[int]) -> list[list]:
+    """Rows of the multi-device table: each N > 1 point against the same run's N = 1 point
+    (speedup, efficiency = speedup / N) with the per-device peaks of both."""
+    by = {(r["backend"], r.get("devices", 1), r["seq"]): r for r in rows}
+    out = []
+    for b in backends:
+        for n in sorted({r.get("devices", 1) for r in rows if r["backend"] == b} - {1}):
+            for s in seqs:
+                r, one = by.get((b, n, s), {}), by.get((b, 1, s), {})
+                if r.get("status") != "ok":
+                    if r:
+                        out.append([b, s, n, r.get("status", "?").split(":")[0]] + ["-"] * 5)
+                    continue
+                ok1 = one.get("status") == "ok"
+                speed = r["tokens_per_s"] / one["tokens_per_s"] if ok1 else None
+                per_dev = r.get("peak_bytes_per_device") or []
+                out.append([b, s, n, f"{r['tokens_per_s']:,.0f}",
+                            f"{one['tokens_per_s']:,.0f}" if ok1 else "-",
+                            f"{speed:.2f}x" if speed else "-",
+                            f"{100 * speed / n:.0f}%" if speed else "-",
+                            " / ".join(_gib(p) for p in per_dev) or _gib(r.get("peak_bytes")),
+                            _gib(one.get("peak_bytes")) if ok1 else "-"])
+    return out
+
+
 def report(rows: list[dict], backends: list[str], seqs: list[int]) -> str:
-    """The three markdown tables: throughput, memory breakdown, op split."""
-    by = {(r["backend"], r["seq"]): r for r in rows}
+    """The markdown tables: throughput, memory breakdown, op split; with several device
+    counts (--devices) also the scaling table. A series is a backend on N devices
+    ("mila x2"), plain backend names for one device."""
+    by = {(_label(r), r["seq"]): r for r in rows}
+    multi = scaling(rows, backends, seqs)
+    backends = _series(rows, backends)
 
     def cell(b, s):
         r = by.get((b, s))
@@ -378,6 +455,11 @@ def report(rows: list[dict], backends: list[str], seqs: list[int]) -> str:
             line.append(f"{ra['tokens_per_s'] / rb['tokens_per_s']:.2f}x" if ok else "-")
         out_rows.append(line)
     text = ["Prefill throughput (median; 1 sequence)", _table(header, out_rows), ""]
+    if multi:
+        text += ["Context parallelism (seq axis): scaling against the same run's one-device "
+                 "point; peak per device (allocator statistics of every device)",
+                 _table(["backend", "seq", "devices", "tok/s", "tok/s on 1", "speedup",
+                         "scaling efficiency", "peak per device", "peak on 1"], multi), ""]
 
     mem = []
     for b in backends:
@@ -433,6 +515,13 @@ def _parse(argv):
     p.add_argument("--quantize", choices=("w4a8", "none"), default="w4a8", help="linears (default w4a8)")
     p.add_argument("--embed-dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the op split")
+    p.add_argument("--devices", default="1",
+                   help="device counts, comma-separated (default 1): N > 1 runs the prefill "
+                        "context-parallel over N devices (a 'seq' mesh axis, weights replicated), "
+                        "each count in its own process; with 1 in the list, scaling is printed")
+    p.add_argument("--seq-segments", type=int, default=None,
+                   help="cache segments per device for N > 1 (even; default "
+                        "jax_mila.parallel.chunked.DEFAULT_SEGMENTS)")
     p.add_argument("--kv-cache-dtype", choices=("float8_e4m3fn",), default=None,
                    help="full-attention layers' K/V in FP8 (jax_mila backends)")
     p.add_argument("--memory-plan", action="store_true",
@@ -445,8 +534,13 @@ def _parse(argv):
     try:
         args.seqs = sorted({int(s) for s in args.seqs.split(",") if s.strip()})
         args.chunk_size = None if args.chunk_size == "auto" else int(args.chunk_size)
+        args.devices = sorted({int(s) for s in args.devices.split(",") if s.strip()})
     except ValueError as e:
-        p.error(f"--seqs / --chunk-size: {e}")
+        p.error(f"--seqs / --chunk-size / --devices: {e}")
+    if not args.devices or min(args.devices) < 1:
+        p.error(f"--devices must be positive counts, got {args.devices}")
+    if args.seq_segments is not None and (args.seq_segments < 2 or args.seq_segments % 2):
+        p.error(f"--seq-segments must be an even number >= 2, got {args.seq_segments}")
     if not args.seqs or min(args.seqs) < 1:
         p.error(f"--seqs must be positive lengths, got {args.seqs}")
     if args.chunk_size is not None and args.chunk_size < 1:
@@ -483,15 +577,23 @@ def main(argv=None) -> list[dict]:
                 rows += [dict(backend=backend, seq=s, status=f"skipped: {', '.join(missing)} not installed")
                          for s in args.seqs]
                 continue
-        spec = dict(backend=backend, model=args.model, seqs=args.seqs, chunk_size=args.chunk_size,
-                    memory_budget_gib=args.memory_budget_gib, reps=args.reps, warmup=args.warmup,
-                    quantize=None if args.quantize == "none" else args.quantize,
-                    embed_dtype=args.embed_dtype, profile=args.profile, seed=args.seed,
-                    memory_plan=args.memory_plan, kv_cache_dtype=args.kv_cache_dtype,
-                    transformers_device=args.transformers_device)
-        t = time.perf_counter()
-        rows += _run_worker(spec, args.timeout)
-        print(f"  {backend}: {time.perf_counter() - t:.0f} s", flush=True)
+        for n in args.devices:
+            if n > 1 and backend == "transformers":
+                rows += [dict(backend=backend, seq=s, devices=n,
+                              status="skipped: transformers runs on one device here")
+                         for s in args.seqs]
+                continue
+            spec = dict(backend=backend, model=args.model, seqs=args.seqs,
+                        chunk_size=args.chunk_size, memory_budget_gib=args.memory_budget_gib,
+                        reps=args.reps, warmup=args.warmup,
+                        quantize=None if args.quantize == "none" else args.quantize,
+                        embed_dtype=args.embed_dtype, profile=args.profile, seed=args.seed,
+                        memory_plan=args.memory_plan, kv_cache_dtype=args.kv_cache_dtype,
+                        transformers_device=args.transformers_device, devices=n,
+                        seq_segments=args.seq_segments)
+            t = time.perf_counter()
+            rows += _run_worker(spec, args.timeout)
+            print(f"  {_label(spec)}: {time.perf_counter() - t:.0f} s", flush=True)
     print()
     print(report(rows, args.backends, args.seqs))
     out = os.environ.get("OUT")

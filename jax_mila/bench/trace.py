@@ -20,7 +20,7 @@ import re
 # (bucket, regex on the kernel name), first match wins. Kernel names: csrc/*/ (__global__).
 BUCKETS = (
     ("attn global (flash d512)", re.compile(r"flash512", re.I)),
-    ("attn local (flash d256)", re.compile(r"flashattentiond256", re.I)),
+    ("attn local (flash d256)", re.compile(r"flashattentiond256|flash256", re.I)),
     ("w4a8 gemm", re.compile(r"w4a8", re.I)),
     ("act quantize", re.compile(r"quantize_rows", re.I)),
     ("cudnn attention", re.compile(r"cudnn|fmha|flash_fprop|fprop", re.I)),

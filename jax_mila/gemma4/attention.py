@@ -20,6 +20,7 @@ from jax_mila import nn
 from jax_mila.gemma4 import cache as kv
 from jax_mila.gemma4.config import Gemma4Config, LayerSpec
 from jax_mila.gemma4.rope import apply_rope
+from jax_mila.parallel import chunked as cpc
 from jax_mila.parallel import context as cp
 from jax_mila.parallel.tensor import kv_heads_for_local_queries, reduce_partial_sums
 
@@ -74,8 +75,10 @@ class Gemma4Attention(nnx.Module):
                 k_buf, v_buf, k, v, kv_offset = kv.decode_update(*entry, k, v, offset, ring=ring is not None)
                 new_entry = (k_buf, v_buf)
             elif mode == "chunk":
-                k_buf, v_buf, k, v, kv_offset = kv.chunk_update(*entry, k, v, offset, valid,
-                                                                ring=ring is not None)
+                # Under chunked context parallelism k, v are this device's slice of the chunk.
+                update = kv.chunk_update if cpc.active_axis() is None else cpc.chunk_update
+                k_buf, v_buf, k, v, kv_offset = update(*entry, k, v, offset, valid,
+                                                       ring=ring is not None)
                 new_entry = (k_buf, v_buf)
         if k.dtype != q.dtype:  # an FP8 cache (cache.py): attention reads the model's dtype
             k, v = k.astype(q.dtype), v.astype(q.dtype)
@@ -83,6 +86,8 @@ class Gemma4Attention(nnx.Module):
                                             num_kv_heads=self.num_kv_heads, local_q_heads=q.shape[2])
         if cp.active_axis() is not None:  # sequence sharded over devices (mode "full" only)
             o = cp.layer_attention(q, kq, vq, self.attn, window=self.window)
+        elif cpc.active_axis() is not None:  # a prefill chunk split over devices
+            o = cpc.attention(q, kq, vq, kv_offset, self.attn, window=self.window, pos=offset)
         else:
             o = self.attn(q, kq, vq, window=self.window, q_offset=offset, kv_offset=kv_offset)
         out = reduce_partial_sums(self.o_proj(o.reshape(b, t, -1)))  # o_proj: row-parallel

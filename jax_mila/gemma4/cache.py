@@ -40,12 +40,16 @@ class KVCache:
 
     ``length`` is an int32 scalar: the number of positions already processed, i.e. the
     position of the next token. ``max_len`` (static) is the capacity of full-layer buffers.
+    ``seq_layout`` (static): () when slot j of a full-layer buffer holds position j; (devices,
+    segments) when a context-parallel prefill sharded those buffers by position in zig-zag
+    segments (jax_mila.parallel.chunked; ``cache_in_position_order`` undoes it).
     """
 
     keys: tuple
     values: tuple
     length: jax.Array
     max_len: int = dataclasses.field(metadata=dict(static=True), default=0)
+    seq_layout: tuple = dataclasses.field(metadata=dict(static=True), default=())
 
 
 def ring_size(window: int, max_len: int) -> int:
@@ -55,9 +59,10 @@ def ring_size(window: int, max_len: int) -> int:
 FULL_LAYER_DTYPES = (None, "float8_e4m3fn")  # None: the model's dtype
 
 
-def empty(cfg, batch: int, max_len: int, dtype, *, full_dtype=None) -> KVCache:
+def empty(cfg, batch: int, max_len: int, dtype, *, full_dtype=None, seq_layout=()) -> KVCache:
     """A zero cache of capacity ``max_len`` at length 0 (the start of a chunked prefill);
-    full-attention layers' buffers in ``full_dtype`` when given (see the module docstring)."""
+    full-attention layers' buffers in ``full_dtype`` when given (see the module docstring);
+    ``seq_layout`` as in KVCache (the buffers' shapes do not change with it)."""
     if full_dtype is not None and jnp.dtype(full_dtype) == jnp.dtype(dtype):
         full_dtype = None
     if full_dtype is not None and jnp.dtype(full_dtype) != jnp.dtype(jnp.float8_e4m3fn):
@@ -72,7 +77,8 @@ def empty(cfg, batch: int, max_len: int, dtype, *, full_dtype=None) -> KVCache:
         shape = (batch, slots, spec.num_kv_heads, spec.head_dim)
         buf = dtype if spec.is_sliding or full_dtype is None else full_dtype
         keys.append(jnp.zeros(shape, buf)), values.append(jnp.zeros(shape, buf))
-    return KVCache(keys=tuple(keys), values=tuple(values), length=jnp.int32(0), max_len=max_len)
+    return KVCache(keys=tuple(keys), values=tuple(values), length=jnp.int32(0), max_len=max_len,
+                   seq_layout=tuple(seq_layout))
 
 
 def prefill_entry(k: jax.Array, v: jax.Array, *, ring: int | None, max_len: int):

@@ -17,6 +17,7 @@ from flax import nnx
 from jax_mila.gemma4 import cache as kv
 from jax_mila.gemma4.cache import KVCache
 from jax_mila.gemma4.model import Gemma4ForCausalLM
+from jax_mila.parallel import chunked
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -34,17 +35,37 @@ def _prefill(graphdef, state, input_ids, max_len):
 def chunk_forward(model, cache, input_ids, valid):
     """One chunk [B, T] at positions cache.length + arange(T); its first ``valid`` tokens are
     real. Returns (logits of the last real token, cache). Shared by the single-device step
-    below and the tensor-parallel one (jax_mila.parallel.tensor)."""
+    below and the one over a mesh (jax_mila.parallel.chunked: heads and / or sequence split)."""
     h, cache = model.hidden_states(input_ids, mode="chunk", cache=cache, valid=valid)
-    last = jax.lax.dynamic_index_in_dim(h, valid - 1, axis=1, keepdims=False)
+    if chunked.active_axis() is not None:  # h is this device's slice of the chunk
+        last = chunked.last_real_token(h, valid)
+    else:
+        last = jax.lax.dynamic_index_in_dim(h, valid - 1, axis=1, keepdims=False)
     return model.logits(last), cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _prefill_chunk(graphdef, state, cache, input_ids, valid):
+def _chunk_step(graphdef, state, cache, input_ids, valid):
     """``chunk_forward`` as one jitted step. Position and valid length are traced, so every
     chunk of a prompt (the padded last one included) runs the same compiled step."""
     return chunk_forward(nnx.merge(graphdef, state), cache, input_ids, valid)
+
+
+# XLA's autotuner runs while a step compiles and allocates scratch copies of the operands it
+# times: with the 12B's tied 262144 x 3840 head that scratch, not the step, set the prefill's
+# peak (H200, 64K tokens, chunk 2048: 12.50 GiB autotuned, 8.18 GiB without; docs/performance.md).
+# On the kernel backend the only ops XLA would tune are its few small dots (0.3% of kernel
+# time), so its steps compile without autotuning; the reference backend keeps it, since its
+# dots are the work.
+_NO_AUTOTUNE = {"xla_gpu_autotune_level": 0}
+_prefill_chunk = jax.jit(_chunk_step, static_argnames=("graphdef",), donate_argnames=("cache",))
+_prefill_chunk_kernels = jax.jit(_chunk_step, static_argnames=("graphdef",),
+                                 donate_argnames=("cache",), compiler_options=_NO_AUTOTUNE)
+
+
+def chunk_step_fn(model: Gemma4ForCausalLM):
+    """The jitted chunk step ``prefill`` runs for ``model`` (its backend picks the compile
+    options above); the benchmark's memory plan compiles the same one."""
+    return _prefill_chunk if model.backend == "reference" else _prefill_chunk_kernels
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("cache",))
@@ -115,7 +136,8 @@ def default_chunk_size(model: Gemma4ForCausalLM, batch: int, max_len: int, *,
 
 def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = None,
             max_cache_len: int | None = None, progress: bool = False, kv_cache_dtype=None,
-            mesh=None, tp_axis: str = "heads"):
+            mesh=None, tp_axis: str = "heads", seq_axis: str = "seq",
+            seq_segments: int | None = None):
     """Runs the prompt [B, S]; returns (logits of the last position [B, vocab], KVCache).
 
     ``max_cache_len`` (default S) is the number of positions the cache can hold in total,
@@ -132,9 +154,18 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
     cache that grows with the sequence) in FP8, half the bytes (accuracy: docs/notes_model.md);
     the prompt then always runs through the chunked step.
 
-    ``mesh``: a jax.sharding.Mesh with a ``tp_axis`` axis: tensor parallelism (query heads, MLP
-    and their weights split over that axis, jax_mila.parallel.tensor; the cache comes back
-    sharded the same way). The prompt then always runs through the chunked step."""
+    ``mesh``: a jax.sharding.Mesh with a ``tp_axis`` axis, a ``seq_axis`` axis or both (axes
+    named by neither replicate); the prompt then always runs through the chunked step.
+    - ``tp_axis``: tensor parallelism (query heads, MLP and their weights split over that
+      axis, jax_mila.parallel.tensor; the cache comes back sharded the same way).
+    - ``seq_axis``: context parallelism (jax_mila.parallel.chunked): each chunk's tokens are
+      split over that axis (the chunk size must be a multiple of its devices; the default
+      chunk size is rounded up to one), weights are replicated over it, and the
+      full-attention layers' cache is sharded by position in ``seq_segments`` zig-zag
+      segments per device (default chunked.DEFAULT_SEGMENTS), so each device holds 1/devices
+      of it. The capacity is rounded up to a multiple of devices x segments, and the cache
+      comes back in that layout (``cache.seq_layout``; decode does not take it yet;
+      jax_mila.parallel.chunked.cache_in_position_order gathers it back to positions)."""
     ids = _ids(input_ids)
     batch, length = ids.shape
     max_len = length if max_cache_len is None else int(max_cache_len)
@@ -143,19 +174,32 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
     if chunk_size is not None and int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
     graphdef, state = nnx.split(model)
+    tp, seq, devices = None, None, 1
+    if mesh is not None:
+        tp, seq = chunked.check_mesh(mesh, tp_axis, seq_axis)
+        devices = mesh.shape[seq] if seq is not None else 1
+        segments = chunked.DEFAULT_SEGMENTS if seq_segments is None else seq_segments
+        chunked.check_segments(segments)
+        if chunk_size is not None and int(chunk_size) % devices:
+            raise ValueError(f"chunk_size={chunk_size}: context parallelism over {devices} "
+                             f"devices ({seq_axis!r}) needs a multiple of {devices}")
     size = default_chunk_size(model, batch, max_len) if chunk_size is None else int(chunk_size)
     if chunk_size is None and length <= size:
         if kv_cache_dtype is None and mesh is None:
             return _prefill(graphdef, state, ids, max_len)
         size = length  # one chunk, through the chunked step
+    size = -(-size // devices) * devices  # a chosen size, rounded up for the seq axis
     chunks = -(-length // size)
     padded = jnp.pad(ids, ((0, 0), (0, chunks * size - length)))  # pad id 0, never cached
-    cache = kv.empty(model.config, batch, max_len, model.dtype, full_dtype=kv_cache_dtype)
-    step = functools.partial(_prefill_chunk, graphdef)
+    layout = ()
+    if seq is not None:
+        max_len, layout = chunked.capacity(max_len, devices, segments), (devices, segments)
+    cache = kv.empty(model.config, batch, max_len, model.dtype, full_dtype=kv_cache_dtype,
+                     seq_layout=layout)
+    step = functools.partial(chunk_step_fn(model), graphdef)
     if mesh is not None:
-        from jax_mila.parallel import tensor  # noqa: PLC0415 - only for multi-device prefill
-
-        step, state, cache = tensor.sharded_chunk_step(model, state, cache, mesh, tp_axis)
+        step, state, cache = chunked.sharded_chunk_step(model, state, cache, mesh, tp_axis=tp,
+                                                        seq_axis=seq, segments=segments)
     steps = range(chunks)
     if progress:
         from tqdm.auto import tqdm
@@ -173,6 +217,10 @@ def decode(model: Gemma4ForCausalLM, token, cache: KVCache, steps: int):
     """Feeds ``token`` [B] (the token at position cache.length) and then its own greedy
     choices for ``steps`` steps. Returns (the ``steps`` new tokens [B, steps], cache).
     The cache passed in is donated (do not reuse it)."""
+    if cache.seq_layout:
+        raise ValueError(f"decode takes a cache in position order; this one is sharded by "
+                         f"position (seq_layout {cache.seq_layout}, a context-parallel prefill): "
+                         "pass it through jax_mila.parallel.chunked.cache_in_position_order")
     needed = int(cache.length) + steps
     if needed > cache.max_len:
         raise ValueError(f"the cache holds {cache.max_len} positions; {steps} decode steps from "

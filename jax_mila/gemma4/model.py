@@ -28,6 +28,7 @@ from jax_mila.gemma4.config import Gemma4Config, LayerSpec
 from jax_mila.gemma4.mlp import Gemma4MLP, gelu_tanh
 from jax_mila.gemma4.moe import Gemma4Experts, Gemma4Router
 from jax_mila.gemma4.rope import rope_tables
+from jax_mila.parallel import chunked as cpc
 from jax_mila.parallel import context as cp
 
 MODES = ("full", "prefill", "decode", "chunk")
@@ -161,6 +162,10 @@ class Gemma4ForCausalLM(nnx.Module):
             if mode != "full":
                 raise ValueError(f"context parallelism runs mode 'full' only, got {mode!r}")
             positions = cp.local_positions(t)
+        elif cpc.active_axis() is not None:  # this device's slice of a prefill chunk
+            if mode != "chunk":
+                raise ValueError(f"chunked context parallelism runs mode 'chunk' only, got {mode!r}")
+            positions = cpc.local_positions(offset, t)
         else:
             positions = offset + jnp.arange(t, dtype=jnp.int32)
         h = self.embed_tokens(input_ids)
@@ -182,7 +187,8 @@ class Gemma4ForCausalLM(nnx.Module):
             keys.append(new_entry[0] if new_entry is not None else None)
             values.append(new_entry[1] if new_entry is not None else None)
         new_cache = None if mode == "full" else KVCache(
-            keys=tuple(keys), values=tuple(values), length=offset + valid, max_len=max_len)
+            keys=tuple(keys), values=tuple(values), length=offset + valid, max_len=max_len,
+            seq_layout=cache.seq_layout if cached else ())
         if return_layers:
             return h, new_cache, jnp.stack(layer_outputs)
         return h, new_cache

@@ -43,8 +43,15 @@ def _rows_per_block(rows: int, cols: int) -> int:
     return max(d for d in range(1, min(rows, cap) + 1) if rows % d == 0) if rows > cap else rows
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "std", "dtype"))
-def _normal(key, shape, std, dtype):
+def _place(x, sharding):
+    """Inside the jitted draws: the result laid out as ``sharding`` (None: the default
+    device). With a replicated sharding XLA partitions the draw itself, so every device draws
+    the same values from the same key and no device ever holds another's copy."""
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "std", "dtype", "sharding"))
+def _normal(key, shape, std, dtype, sharding=None):
     """N(0, std) of ``shape`` in ``dtype``, drawn over the leading axis in row blocks."""
     rows, rest = shape[0], shape[1:]
     cols = 1
@@ -56,11 +63,11 @@ def _normal(key, shape, std, dtype):
         x = jax.random.normal(jax.random.fold_in(key, i), (block,) + rest, jnp.float32)
         return (x * std).astype(dtype)
 
-    return jax.lax.map(draw, jnp.arange(rows // block)).reshape(shape)
+    return _place(jax.lax.map(draw, jnp.arange(rows // block)).reshape(shape), sharding)
 
 
-@functools.partial(jax.jit, static_argnames=("out_features", "in_features"))
-def _mxfp4(key, out_features, in_features):
+@functools.partial(jax.jit, static_argnames=("out_features", "in_features", "sharding"))
+def _mxfp4(key, out_features, in_features, sharding=None):
     """A random [out, in] weight N(0, in^-0.5), quantized to MXFP4 block by block."""
     block = _rows_per_block(out_features, in_features)
 
@@ -70,8 +77,10 @@ def _mxfp4(key, out_features, in_features):
         return q.packed, q.scales, q.channel_exp
 
     packed, scales, channel_exp = jax.lax.map(draw, jnp.arange(out_features // block))
-    return MXFP4Weight(packed.reshape(out_features, -1), scales.reshape(out_features, -1),
-                       channel_exp.reshape(out_features))
+    packed, scales, channel_exp = _place((packed.reshape(out_features, -1),
+                                          scales.reshape(out_features, -1),
+                                          channel_exp.reshape(out_features)), sharding)
+    return MXFP4Weight(packed, scales, channel_exp)
 
 
 def _config_path(config) -> str:
@@ -95,13 +104,17 @@ def _config(config) -> Gemma4Config:
 
 
 def random_model(config, *, dtype=jnp.bfloat16, backend: str = "auto", quantize="w4a8",
-                 embed_dtype=None, seed: int = 0) -> Gemma4ForCausalLM:
+                 embed_dtype=None, seed: int = 0, sharding=None) -> Gemma4ForCausalLM:
     """Gemma4ForCausalLM of ``config`` (a Gemma4Config, a checkpoint directory, a config.json
     or a model card name such as "12b") with random weights made on the default device.
 
     ``quantize``: None (dense linears in ``dtype``) or "w4a8" (MXFP4, see jax_mila.nn.Linear).
     ``embed_dtype``: storage of the embedding tables, default ``dtype``; "float8_e4m3fn"
-    halves it (values N(0, 1) are well inside e4m3's range)."""
+    halves it (values N(0, 1) are well inside e4m3's range).
+    ``sharding``: where every array is made, e.g. ``NamedSharding(mesh, P())`` to replicate
+    the model on every device of a mesh (context parallelism): each device draws its own
+    copy, so building it never needs more memory on one device than one copy; the values
+    equal those of the default (single-device) build."""
     nn.check_quantize(quantize)
     cfg = _config(config)
     embed_dtype = jnp.dtype(dtype if embed_dtype is None else embed_dtype)
@@ -114,7 +127,7 @@ def random_model(config, *, dtype=jnp.bfloat16, backend: str = "auto", quantize=
     count = 0
     for _, linear in quantized_linears(model):
         linear.set_mxfp4(_mxfp4(jax.random.fold_in(key, count), linear.out_features,
-                                linear.in_features))
+                                linear.in_features, sharding))
         count += 1
     for path, node in nnx.iter_graph(model):
         if not isinstance(node, nnx.Module):
@@ -124,12 +137,14 @@ def random_model(config, *, dtype=jnp.bfloat16, backend: str = "auto", quantize=
                 continue
             shape, param_dtype = tuple(var.get_value().shape), var.get_value().dtype
             if isinstance(node, nn.Embed):
-                value = _normal(jax.random.fold_in(key, count), shape, 1.0, embed_dtype)
+                value = _normal(jax.random.fold_in(key, count), shape, 1.0, embed_dtype,
+                                sharding)
             elif len(shape) >= 2:  # dense linears (shapes W4A8 cannot take), MoE experts
                 value = _normal(jax.random.fold_in(key, count), shape, shape[-2] ** -0.5,
-                                jnp.dtype(param_dtype))
+                                jnp.dtype(param_dtype), sharding)
             else:  # norm weights, router scales, layer scalars: the constructors' ones
                 value = jnp.ones(shape, param_dtype)
+                value = value if sharding is None else jax.device_put(value, sharding)
             var.set_value(value)
             count += 1
     return model

@@ -1,0 +1,340 @@
+"""Context parallelism inside the chunked prefill: a `seq` mesh axis of P devices shares each
+chunk's tokens, and the full-attention layers' KV cache is sharded by position.
+
+Each chunk of C tokens (C a multiple of P) is cut into P contiguous slices of C / P tokens;
+device d runs the embedding, norms, projections, MLP (and MoE, PLE) of positions
+pos + d C/P .. pos + (d+1) C/P - 1 only. Only attention needs other devices' tokens:
+
+Full-attention layers. The cache of capacity M is cut into n = P x S contiguous segments of
+L = M / n positions (S = segments per device, even), dealt out zig-zag in rounds of 2P:
+in round r device d owns segments 2Pr + d and 2Pr + 2P-1-d, so at every point of the prompt
+each device holds about 1/P of the filled positions (the causal work of every chunk is
+balanced to within about one segment, and so is memory) and 1/P of the buffer in all. A
+device's local buffer [B, M/P, H, D] is its segments in increasing position order. Per layer
+and chunk: the chunk's K/V and Q are all-gathered; each device writes the chunk's K/V into
+the slots of the segments it owns (a scatter whose other indices drop) and attends all C
+queries to each of its segments with the single-device kernel (one call per segment, true
+positions through q_offset / kv_offset, causal: unfilled slots lie after every query and
+future segments cost only skipped tiles; an empty segment returns zeros with lse -inf). The
+partial results are merged exactly by their log-sum-exp, over the device's segments (in
+groups of MERGE_GROUP) and then over the devices (an all-gather of [P, B, H, C] floats, each
+device's part weighted by exp(lse_part - lse_total)), and one psum_scatter leaves each device
+the rows of its own C / P queries.
+
+Sliding-window layers. The ring of the last W positions is small and kept replicated: the
+chunk's K/V are all-gathered, every device applies the same ring update
+(jax_mila.gemma4.cache.chunk_update) and attends its own queries over the ring + chunk slab.
+
+The step runs inside `jax.shard_map` under `chunked_context_parallel(axis, segments)`, which
+is what the model's layers look at (jax_mila.gemma4.model / attention); `sharded_chunk_step`
+builds it, with tensor parallelism over a second axis if asked (jax_mila.parallel.tensor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+# Segments per device: more balance the causal work of each chunk better (94% of ideal for
+# 2 devices at 8, 89% at 4, 80% at 2; docs/notes_parallel.md) but cost one attention call
+# and one partial result [B, C, Hq, D] to merge each per full layer and chunk.
+DEFAULT_SEGMENTS = 8
+
+_STATE = contextvars.ContextVar("jax_mila_chunked_context_parallel", default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _State:
+    axis: str
+    segments: int
+
+
+@contextlib.contextmanager
+def chunked_context_parallel(axis: str, segments: int = DEFAULT_SEGMENTS):
+    """Within this context (tracing a chunk step inside shard_map, the chunk's tokens split
+    over `axis`), the model takes its positions from the split, writes full-attention K/V into
+    the position-sharded cache and merges attention across the axis."""
+    token = _STATE.set(_State(axis, segments))
+    try:
+        yield
+    finally:
+        _STATE.reset(token)
+
+
+def active_axis() -> str | None:
+    state = _STATE.get()
+    return None if state is None else state.axis
+
+
+# ------------------------------------------------------------------------------ the layout
+
+def check_segments(segments: int) -> None:
+    if isinstance(segments, bool) or not isinstance(segments, (int, np.integer)) \
+            or segments < 2 or segments % 2:
+        raise ValueError(f"context parallel: segments per device must be an even int >= 2 "
+                         f"(zig-zag pairs), got {segments!r}")
+
+
+def capacity(max_len: int, devices: int, segments: int = DEFAULT_SEGMENTS) -> int:
+    """The cache capacity a position-sharded cache uses for `max_len`: rounded up to a
+    multiple of devices x segments (the extra slots are never written)."""
+    n = devices * segments
+    return -(-max_len // n) * n
+
+
+def owned_segments(device, devices: int, segments: int):
+    """Segments of `device` (an int or a traced index) in increasing position order."""
+    out = []
+    for r in range(segments // 2):
+        out += [2 * devices * r + device, 2 * devices * r + 2 * devices - 1 - device]
+    return out
+
+
+def slot_positions(max_len: int, devices: int, segments: int = DEFAULT_SEGMENTS) -> np.ndarray:
+    """Position held by each slot of the global buffer (device blocks one after the other)."""
+    if max_len % (devices * segments):
+        raise ValueError(f"context parallel: capacity {max_len} is not a multiple of "
+                         f"devices x segments = {devices * segments}")
+    length = max_len // (devices * segments)
+    return np.concatenate([np.arange(s * length, (s + 1) * length)
+                           for d in range(devices) for s in owned_segments(d, devices, segments)])
+
+
+def cache_in_position_order(cache):
+    """A KVCache from a context-parallel prefill with its full-attention buffers put back in
+    position order (slot j = position j, as one device's prefill leaves them); gathers the
+    whole cache, for tests and for handing the cache to single-device code."""
+    if not cache.seq_layout:
+        return cache
+    devices, segments = cache.seq_layout
+    inverse = np.argsort(slot_positions(cache.max_len, devices, segments))
+
+    def reorder(buf):
+        if buf is None or buf.shape[1] != cache.max_len:
+            return buf  # KV-shared layers, rings
+        return jnp.asarray(jax.device_get(buf))[:, inverse]
+
+    return dataclasses.replace(cache, keys=tuple(map(reorder, cache.keys)),
+                               values=tuple(map(reorder, cache.values)), seq_layout=())
+
+
+# ------------------------------------------------------------------- inside the chunk step
+
+def local_positions(offset, local_len: int) -> jax.Array:
+    """Positions of this device's slice of the chunk that starts at `offset`."""
+    i = jax.lax.axis_index(active_axis())
+    return offset + i * local_len + jnp.arange(local_len, dtype=jnp.int32)
+
+
+def last_real_token(h, valid):
+    """h [B, C/P, H] of every device -> the hidden state of the chunk's token `valid` - 1
+    (on the device whose slice holds it), replicated: [B, H]."""
+    axis, t = active_axis(), h.shape[1]
+    local = valid - 1 - jax.lax.axis_index(axis) * t
+    mine = (local >= 0) & (local < t)
+    pick = jax.lax.dynamic_index_in_dim(h, jnp.clip(local, 0, t - 1), axis=1, keepdims=False)
+    return jax.lax.psum(jnp.where(mine, pick, jnp.zeros_like(pick)), axis)
+
+
+def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool):
+    """Like jax_mila.gemma4.cache.chunk_update for this device's k, v [B, C/P, H, D] (the
+    chunk's tokens pos + d C/P ..); returns (k_buf, v_buf, k_view, v_view, kv_offset) where
+    the view is what `attention` takes: the ring + chunk slab (sliding layers) or this
+    device's block of the position-sharded buffer (full layers, kv_offset unused)."""
+    from jax_mila.gemma4 import cache as kv  # noqa: PLC0415 - gemma4 imports this package
+
+    state = _STATE.get()
+    # Invariant over the axis: every device gets the same chunk, so the replicated ring
+    # stays replicated (and shard_map can check it).
+    gather = lambda x: jax.lax.all_gather(x, state.axis, axis=1, tiled=True,  # noqa: E731
+                                          to="invarying")
+    k, v = gather(k.astype(k_buf.dtype)), gather(v.astype(v_buf.dtype))  # [B, C, H, D]
+    if ring:  # the same update on every device keeps the replicated ring identical
+        return kv.chunk_update(k_buf, v_buf, k, v, pos, valid, ring=True)
+    devices = jax.lax.axis_size(state.axis)
+    local_len = k_buf.shape[1]
+    length = local_len // state.segments
+    c = k.shape[1]
+    p = pos + jnp.arange(c, dtype=jnp.int32)
+    seg, within = p // length, p % length
+    slot = jnp.full((c,), local_len, jnp.int32)  # out of range: dropped
+    for j, s in enumerate(owned_segments(jax.lax.axis_index(state.axis), devices,
+                                         state.segments)):
+        slot = jnp.where(seg == s, j * length + within, slot)
+    slot = jnp.where(jnp.arange(c) < valid, slot, local_len)  # padding is never written
+    k_buf = k_buf.at[:, slot].set(k, mode="drop")
+    v_buf = v_buf.at[:, slot].set(v, mode="drop")
+    return k_buf, v_buf, k_buf, v_buf, jnp.int32(0)
+
+
+def attention(q, k, v, kv_offset, attn, *, window, pos):
+    """This device's queries q [B, C/P, Hq, D] (positions pos + d C/P ..) over the view from
+    `chunk_update`; `attn` is an nn.Attention (backend and scale)."""
+    state = _STATE.get()
+    axis, t = state.axis, q.shape[1]
+    i = jax.lax.axis_index(axis)
+    if window is not None:
+        return attn(q, k, v, window=window, q_offset=pos + i * t, kv_offset=kv_offset)
+    devices = jax.lax.axis_size(axis)
+    q_all = jax.lax.all_gather(q, axis, axis=1, tiled=True)  # [B, C, Hq, D]
+    length = k.shape[1] // state.segments
+    acc = None  # (o float32 normalized over the segments so far, their lse [B, Hq, C])
+    segments = owned_segments(i, devices, state.segments)
+    for g in range(0, len(segments), MERGE_GROUP):
+        if acc is not None:  # this group's slices and calls start after the last merge
+            acc, k, v = jax.lax.optimization_barrier((acc, k, v))
+        parts = [] if acc is None else [acc]
+        for j in range(g, min(g + MERGE_GROUP, len(segments))):
+            sl = slice(j * length, (j + 1) * length)
+            parts.append(attn(q_all, k[:, sl], v[:, sl], q_offset=pos,
+                              kv_offset=segments[j] * length, return_lse=True))
+        acc = _merge(parts)
+    o, lse = acc
+    # This device's share of the total over all devices' segments (exp(lse - total)).
+    total = _logsumexp(jax.lax.all_gather(lse, axis))
+    out = _weighted(o, lse, jnp.where(jnp.isneginf(total), 0.0, total))
+    out = jax.lax.psum_scatter(out, axis, scatter_dimension=1, tiled=True)  # own C/P rows
+    return out.astype(q.dtype)
+
+
+# Partial results merged per group of segments: the group's outputs [B, C, Hq, D] are alive
+# together (memory) and the running float32 result is read and written once per group
+# (traffic). 4 of 8 segments: ~2 partials' worth of extra traffic, half the memory of all 8.
+MERGE_GROUP = 4
+
+
+def _weighted(o, lse, total):
+    """o [B, C, Hq, D] * exp(lse - total) in float32; 0 where lse is -inf (an empty part:
+    never NaN, whatever o holds there)."""
+    w = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - total))  # [B, Hq, C]
+    w = jnp.transpose(w, (0, 2, 1))[..., None]  # [B, C, Hq, 1]
+    return jnp.where(w > 0, o.astype(jnp.float32) * w, 0.0)
+
+
+def _merge(parts):
+    """Exact softmax merge of partial results [(o, lse)] -> (o float32, lse)."""
+    total = _logsumexp(jnp.stack([lse for _, lse in parts]))
+    safe = jnp.where(jnp.isneginf(total), 0.0, total)
+    return sum(_weighted(o, lse, safe) for o, lse in parts), total
+
+
+def _logsumexp(x):
+    """log-sum-exp over axis 0 of float32 lse values, -inf where all are -inf (no NaN)."""
+    m = jnp.max(x, axis=0)
+    safe = jnp.where(jnp.isneginf(m), 0.0, m)
+    s = jnp.sum(jnp.where(jnp.isneginf(x), 0.0, jnp.exp(x - safe)), axis=0)
+    return jnp.where(s > 0, safe + jnp.log(jnp.where(s > 0, s, 1.0)), -jnp.inf)
+
+
+# -------------------------------------------------------------------------- the jitted step
+
+def _named(mesh, specs):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def cache_specs(cache, cfg, *, seq_axis: str | None, tp_axis: str | None, tp_size: int = 1):
+    """PartitionSpecs of a KVCache: full-attention buffers split by position over `seq_axis`,
+    rings replicated over it; K/V heads split over `tp_axis` like their k_proj."""
+    def layer_spec(spec, buf):
+        if buf is None:
+            return None
+        heads = tp_axis if tp_axis is not None and spec.num_kv_heads % tp_size == 0 else None
+        seq = seq_axis if not spec.is_sliding else None
+        # Trailing Nones dropped, as the step's outputs report their specs: equal shardings
+        # on the first chunk's cache and the later ones', so the step compiles once.
+        if heads is not None:
+            return P(None, seq, heads)
+        return P() if seq is None else P(None, seq)
+
+    keys = tuple(layer_spec(s, k) for s, k in zip(cfg.layers, cache.keys))
+    values = tuple(layer_spec(s, v) for s, v in zip(cfg.layers, cache.values))
+    return dataclasses.replace(cache, keys=keys, values=values, length=P())
+
+
+def check_mesh(mesh, tp_axis: str | None, seq_axis: str | None):
+    """(tp_axis, seq_axis) with the ones `mesh` does not have set to None; refuses a mesh
+    that has neither."""
+    names = tuple(mesh.axis_names)
+    tp = tp_axis if tp_axis in names else None
+    seq = seq_axis if seq_axis in names else None
+    if tp is None and seq is None:
+        raise ValueError(f"prefill over a mesh: its axes {names} include neither tp_axis="
+                         f"{tp_axis!r} (heads) nor seq_axis={seq_axis!r} (sequence)")
+    return tp, seq
+
+
+def sharded_chunk_step(model, state, cache, mesh, *, tp_axis: str | None,
+                       seq_axis: str | None, segments: int = DEFAULT_SEGMENTS):
+    """The chunked-prefill step over `mesh`: returns (step, state, cache) with the weights and
+    the cache placed on the mesh (weights split over `tp_axis` and replicated over
+    `seq_axis`; the cache as `cache_specs`) and step(state, cache, ids, valid) ->
+    (last logits, cache), the cache donated. With `seq_axis`, `cache` must come from
+    jax_mila.gemma4.cache.empty(..., seq_layout=(devices, segments)) and the chunk length
+    must be a multiple of the devices on that axis."""
+    from flax import nnx  # noqa: PLC0415
+
+    # The module (jax_mila.gemma4 exports a function of the same name); it imports us.
+    generate = importlib.import_module("jax_mila.gemma4.generate")
+    from jax_mila.parallel import tensor  # noqa: PLC0415
+
+    cfg = model.config
+    graphdef = nnx.graphdef(model)
+    tp_size = mesh.shape[tp_axis] if tp_axis is not None else 1
+    if tp_axis is not None:
+        tensor.check_config(cfg, tp_size)
+        specs = tensor.param_specs(state, axis=tp_axis, axis_size=tp_size,
+                                   num_kv_heads_of_layer=lambda i: cfg.layers[i].num_kv_heads)
+    else:
+        specs = jax.tree.map(lambda _: P(), state)
+    if seq_axis is not None:
+        check_segments(segments)
+        want = (mesh.shape[seq_axis], segments)
+        if tuple(cache.seq_layout) != want:
+            raise ValueError(f"context parallel: the cache's seq_layout {cache.seq_layout} is "
+                             f"not (devices, segments) = {want}")
+    cspecs = cache_specs(cache, cfg, seq_axis=seq_axis, tp_axis=tp_axis, tp_size=tp_size)
+    state = jax.device_put(state, _named(mesh, specs))  # a no-op for arrays already there
+    cache = jax.device_put(cache, _named(mesh, cspecs))
+    # The single-device step's compile options (generate.py: no XLA autotuning on the kernel
+    # backend, whose scratch would set the peak), so one and N devices compare like for like.
+    options = None if model.backend == "reference" else getattr(generate, "_NO_AUTOTUNE", None)
+    key = (graphdef, mesh, tp_axis, seq_axis, segments, _hashable(specs), _hashable(cspecs),
+           model.backend)
+    step = _STEPS.get(key)
+    if step is None:
+        tokens = P(None, seq_axis) if seq_axis is not None else P()
+
+        def body(state, cache, ids, valid):
+            with contextlib.ExitStack() as stack:
+                if tp_axis is not None:
+                    stack.enter_context(tensor.tensor_parallel(tp_axis))
+                if seq_axis is not None:
+                    stack.enter_context(chunked_context_parallel(seq_axis, segments))
+                return generate.chunk_forward(nnx.merge(graphdef, state), cache, ids, valid)
+
+        step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, cspecs, tokens, P()),
+                                     out_specs=(P(), cspecs)), donate_argnums=1,
+                       compiler_options=options)
+        if len(_STEPS) >= _MAX_STEPS:
+            _STEPS.pop(next(iter(_STEPS)))
+        _STEPS[key] = step
+    return step, state, cache
+
+
+# One jitted step per model structure, mesh and layout, kept across prefill calls: a new
+# jax.jit object per call would retrace and recompile every prompt (jit caches per function).
+_STEPS: dict = {}
+_MAX_STEPS = 16
+
+
+def _hashable(specs):
+    leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=lambda x: isinstance(x, P))
+    return tuple(leaves), treedef

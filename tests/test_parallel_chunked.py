@@ -1,0 +1,297 @@
+"""Context parallelism inside the chunked prefill (gemma4.prefill(mesh=..., seq_axis="seq"),
+jax_mila.parallel.chunked) against the single-device chunked prefill, on forced host devices
+(tests/conftest.py) through the reference ops, float32: last logits and every cache buffer
+(the position-sharded ones gathered back to positions), for 2 and 4 devices, chunk sizes that
+do not divide the prompt, prompts shorter than a chunk, caches longer than the prompt (empty
+segments), KV-shared / PLE / MoE layers, and a seq x heads mesh."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jax_mila import gemma4
+from jax_mila.gemma4 import cache as kv
+from jax_mila.gemma4.config import Gemma4Config
+from jax_mila.parallel import chunked
+
+S, F = "sliding_attention", "full_attention"
+
+CONFIGS = {
+    # 12B-like: K=V global layers with one KV head, 2 KV heads locally.
+    "k_eq_v": dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                   num_global_key_value_heads=1, attention_k_eq_v=True, layer_types=[S, S, F],
+                   sliding_window=4, hidden_size_per_layer_input=0),
+    # KV-shared layers of both types (they read their source's view), PLE, double-wide MLP.
+    "shared_ple": dict(vocab_size=61, hidden_size=32, intermediate_size=24, num_hidden_layers=6,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                       layer_types=[S, F, S, S, F, F], num_kv_shared_layers=2,
+                       use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+                       vocab_size_per_layer_input=61, sliding_window=3),
+    # MoE, separate V, two global KV heads.
+    "moe": dict(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                num_global_key_value_heads=2, attention_k_eq_v=False, layer_types=[S, F, S, F],
+                sliding_window=5, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                moe_intermediate_size=16, hidden_size_per_layer_input=0),
+}
+
+
+def _seed():
+    return int(np.random.SeedSequence().entropy % (2**31))
+
+
+def _model(name, seed):
+    raw = dict(model_type="gemma4_text", final_logit_softcapping=30.0, **CONFIGS[name])
+    return gemma4.Gemma4ForCausalLM(Gemma4Config.from_dict(raw), dtype=jnp.float32,
+                                    backend="reference", rngs=nnx.Rngs(seed))
+
+
+def _mesh(shape, names=("seq",)):
+    devices = np.array(jax.devices("cpu")[:int(np.prod(shape))]).reshape(shape)
+    return Mesh(devices, names)
+
+
+def _spec(*axes):
+    """A PartitionSpec as a sharded array reports it (trailing Nones dropped)."""
+    axes = list(axes)
+    while axes and axes[-1] is None:
+        axes.pop()
+    return P(*axes)
+
+
+def _ids(seed, length, vocab):
+    return jax.random.randint(jax.random.key(seed), (2, length), 3, vocab, jnp.int32)
+
+
+def _assert_close_logits(test, got, want, seed):
+    # float32; the merged attention sums and the split matmuls add in another order
+    # (observed a few 1e-6 on logits up to ~30); a wrongly visible key moves them by O(0.1).
+    want = np.asarray(want)
+    scale = max(1.0, float(np.max(np.abs(want))))
+    test.assertTrue(np.all(np.isfinite(np.asarray(got))), f"seed={seed}")
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * scale, rtol=0,
+                               err_msg=f"seed={seed}")
+
+
+def _assert_same_cache(test, got, want, seed):
+    """got: a context-parallel cache; want: one device's cache of capacity want.max_len."""
+    test.assertEqual(int(got.length), int(want.length))
+    ordered = chunked.cache_in_position_order(got)
+    test.assertEqual(ordered.seq_layout, ())
+    n = want.max_len
+    for i, (x, y) in enumerate(zip(ordered.keys + ordered.values, want.keys + want.values)):
+        test.assertEqual(x is None, y is None)
+        if x is None:
+            continue
+        x, y = np.asarray(x), np.asarray(y)
+        if x.shape[1] == got.max_len and y.shape[1] == n:  # full layer: capacity rounded up
+            np.testing.assert_array_equal(x[:, n:], 0, err_msg=f"buffer {i}: slots past max_len")
+            x = x[:, :n]
+        test.assertEqual(x.shape, y.shape, f"buffer {i}")
+        np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5, err_msg=f"buffer {i}, seed={seed}")
+
+
+class ChunkedContextParallelTest(parameterized.TestCase):
+    def setUp(self):
+        super().setUp()
+        if len(jax.devices("cpu")) < 4:
+            self.skipTest("needs 4 CPU devices (tests/conftest.py sets jax_num_cpu_devices)")
+        # The one-device prefill on a CPU too, where a GPU is the default device: XLA:GPU's
+        # float32 dots may round through TF32, far above these tests' 1e-5.
+        self.enter_context(jax.default_device(jax.devices("cpu")[0]))
+
+    @parameterized.product(
+        name=tuple(CONFIGS), devices=(2, 4),
+        # (prompt, chunk, max_cache_len, segments per device): a padded last chunk, a chunk
+        # longer than the prompt, a cache far longer than the prompt (most segments empty),
+        # a full cache of 8 segments per device (two merge groups, both holding keys).
+        case=((13, 4, None, 2), (13, 8, 40, 4), (6, 8, None, 2), (21, 12, 64, 8),
+              (30, 8, None, 8)))
+    def test_equals_single_device_prefill(self, name, devices, case):
+        length, chunk, max_len, segments = case
+        seed = _seed()
+        model = _model(name, seed)
+        ids = _ids(seed, length, model.config.vocab_size)
+        want, want_cache = gemma4.prefill(model, ids, chunk_size=chunk, max_cache_len=max_len)
+        got, cache = gemma4.prefill(model, ids, chunk_size=chunk, max_cache_len=max_len,
+                                    mesh=_mesh(devices), seq_segments=segments)
+        _assert_close_logits(self, got, want, seed)
+        self.assertEqual(cache.seq_layout, (devices, segments))
+        self.assertEqual(cache.max_len % (devices * segments), 0)
+        self.assertBetween(cache.max_len - want_cache.max_len, 0, devices * segments - 1)
+        for spec, k in zip(model.config.layers, cache.keys):
+            if k is None:
+                continue
+            self.assertEqual(k.sharding.spec, P() if spec.is_sliding else P(None, "seq"))
+            if not spec.is_sliding:  # each device holds 1/devices of the positions
+                shards = {s.data.shape[1] for s in k.addressable_shards}
+                self.assertEqual(shards, {cache.max_len // devices})
+        _assert_same_cache(self, cache, want_cache, seed)
+
+    def test_default_chunk_is_rounded_up_to_the_devices(self):
+        # No chunk_size: a prompt shorter than the default chunk runs as one chunk of its own
+        # length rounded up to a multiple of the devices (13 -> 16 on 4 devices).
+        seed = _seed()
+        model = _model("k_eq_v", seed)
+        ids = _ids(seed, 13, 256)
+        want, want_cache = gemma4.prefill(model, ids, chunk_size=13)
+        got, cache = gemma4.prefill(model, ids, mesh=_mesh(4))
+        _assert_close_logits(self, got, want, seed)
+        self.assertEqual(cache.seq_layout, (4, chunked.DEFAULT_SEGMENTS))
+        _assert_same_cache(self, cache, want_cache, seed)
+
+    @parameterized.parameters("k_eq_v", "shared_ple")
+    def test_seq_by_heads_mesh(self, name):
+        seed = _seed()
+        model = _model(name, seed)
+        if name == "shared_ple":  # PLE is not split over heads: refused with its reason
+            with self.assertRaisesRegex(ValueError, "per-layer embeddings"):
+                gemma4.prefill(model, _ids(seed, 8, 61), chunk_size=4,
+                               mesh=_mesh((2, 2), ("seq", "heads")))
+            return
+        ids = _ids(seed, 19, 256)
+        want, want_cache = gemma4.prefill(model, ids, chunk_size=6, max_cache_len=24)
+        got, cache = gemma4.prefill(model, ids, chunk_size=6, max_cache_len=24,
+                                    mesh=_mesh((2, 2), ("seq", "heads")), seq_segments=4)
+        _assert_close_logits(self, got, want, seed)
+        for spec, k in zip(model.config.layers, cache.keys):
+            heads = "heads" if spec.num_kv_heads % 2 == 0 else None
+            seq = None if spec.is_sliding else "seq"
+            self.assertEqual(k.sharding.spec, _spec(None, seq, heads))
+        _assert_same_cache(self, cache, want_cache, seed)
+
+    def test_decode_continues_from_the_cache_in_position_order(self):
+        seed = _seed()
+        model = _model("shared_ple", seed)
+        ids = _ids(seed, 11, 61)
+        want = gemma4.generate(model, ids, 5, chunk_size=4)
+        logits, cache = gemma4.prefill(model, ids, chunk_size=4, max_cache_len=16,
+                                       mesh=_mesh(2), seq_segments=2)
+        with self.assertRaisesRegex(ValueError, "sharded by position"):
+            gemma4.decode(model, jnp.argmax(logits, -1), cache, 1)
+        got = gemma4.generate(model, ids, 5, logits=logits,
+                              cache=chunked.cache_in_position_order(cache))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"seed={seed}")
+
+    def test_one_compiled_step_for_every_chunk_and_prompt(self):
+        # The jitted step is kept across prefill calls (keyed by model structure, mesh and
+        # layout): prompts of other lengths with the same capacity reuse its one executable.
+        model = _model("k_eq_v", 0)
+        mesh = _mesh(2)
+        chunked._STEPS.clear()
+        for length in (5, 13, 18):
+            gemma4.prefill(model, _ids(length, length, 256), chunk_size=4, max_cache_len=32,
+                           mesh=mesh, seq_segments=2)
+        self.assertLen(chunked._STEPS, 1)
+        self.assertEqual(next(iter(chunked._STEPS.values()))._cache_size(), 1)
+
+    def test_layout_is_zigzag_and_covers_every_position(self):
+        # 2 devices x 4 segments of 3: device 0 owns 0, 3, 4, 7 and device 1 owns 1, 2, 5, 6.
+        order = chunked.slot_positions(24, 2, 4)
+        owned = order.reshape(2, 4, 3)[:, :, 0] // 3
+        np.testing.assert_array_equal(owned, [[0, 3, 4, 7], [1, 2, 5, 6]])
+        np.testing.assert_array_equal(np.sort(order), np.arange(24))
+        self.assertEqual(chunked.capacity(13, 2, 4), 16)
+        self.assertEqual(chunked.capacity(16, 2, 4), 16)
+
+    @parameterized.parameters(((2,), ("seq",)), ((2, 2), ("seq", "heads")))
+    def test_compiled_step_gathers_activations_only(self, shape, names):
+        # Weights are replicated over the seq axis (split over heads): the step's all-gathers
+        # carry only the chunk's K/V and Q (the chunk length, 24, sits on their token axis)
+        # and the lse ([devices, B, H, chunk]); one reduce-scatter per full layer returns each
+        # device its rows.
+        model = _model("k_eq_v", 0)
+        graphdef, state = nnx.split(model)
+        mesh, chunk = _mesh(shape, names), 24
+        cache = kv.empty(model.config, 1, 48, jnp.float32, seq_layout=(2, 2))
+        step, state, cache = chunked.sharded_chunk_step(
+            model, state, cache, mesh, tp_axis="heads" if "heads" in names else None,
+            seq_axis="seq", segments=2)
+        hlo = step.lower(state, cache, jnp.zeros((1, chunk), jnp.int32), jnp.int32(chunk)) \
+            .compile().as_text()
+        gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
+        self.assertNotEmpty(gathers)
+        for shape in gathers:
+            dims = [int(d) for d in re.findall(r"\d+", shape.split("{")[0].split("[", 1)[1])]
+            self.assertIn(chunk, dims, f"all-gather of {shape}: not an activation of the chunk")
+        layers = model.config.layers
+        full, sliding = sum(not s.is_sliding for s in layers), sum(s.is_sliding for s in layers)
+        self.assertLen(re.findall(r"= \S+ reduce-scatter(?:-start)?\(", hlo), full)
+        # K, V of every layer and the Q and lse of the full ones (XLA may combine some).
+        self.assertBetween(len(gathers), 1, 2 * (full + sliding) + 2 * full)
+
+    def test_kernels_on_two_gpus(self):
+        # The kernel path where 2 GPUs are visible: flash attention d256 / d512 with
+        # return_lse inside shard_map (empty segments: zeros, lse -inf), bf16. bf16 noise
+        # hides small errors (exactness is the float32 tests' job), so both the sharded and
+        # the one-GPU prefill are measured against a float32-math reference of the same bf16
+        # weights, and the sharded one may be at most a little further from it.
+        try:
+            gpus = jax.devices("gpu")
+        except RuntimeError:
+            gpus = []
+        if len(gpus) < 2:
+            self.skipTest("needs 2 GPUs")
+        with jax.default_device(gpus[0]):
+            self._kernels_on_gpus(gpus)
+
+    def _kernels_on_gpus(self, gpus):
+        seed = _seed()
+        raw = dict(model_type="gemma4_text", final_logit_softcapping=30.0, vocab_size=512,
+                   hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=256,
+                   global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True,
+                   layer_types=[S, F, S, F], sliding_window=128, hidden_size_per_layer_input=0)
+        cfg = Gemma4Config.from_dict(raw)
+        model = gemma4.Gemma4ForCausalLM(cfg, dtype=jnp.bfloat16, backend="auto",
+                                         rngs=nnx.Rngs(seed))
+        ref = gemma4.Gemma4ForCausalLM(cfg, dtype=jnp.float32, param_dtype=jnp.bfloat16,
+                                       backend="reference", rngs=nnx.Rngs(seed))
+        ids = _ids(seed, 1000, 512)
+        run = dict(chunk_size=256, max_cache_len=1024)
+        exact, exact_cache = gemma4.prefill(ref, ids, **run)
+        one, one_cache = gemma4.prefill(model, ids, **run)
+        got, cache = gemma4.prefill(model, ids, mesh=Mesh(np.array(gpus[:2]), ("seq",)),
+                                    seq_segments=4, **run)
+        self.assertTrue(np.all(np.isfinite(np.asarray(got, np.float32))), f"seed={seed}")
+
+        def rel(a, b):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+        ordered = chunked.cache_in_position_order(cache)
+        pairs = [("logits", got, one, exact)] + [
+            (f"keys[{i}]", x, y, z) for i, (x, y, z) in
+            enumerate(zip(ordered.keys, one_cache.keys, exact_cache.keys))]
+        for what, x, y, z in pairs:
+            self.assertLessEqual(rel(x, z), 1.5 * rel(y, z) + 1e-3,
+                                 f"{what}: sharded vs one GPU, seed={seed}")
+
+    def test_refusals(self):
+        model = _model("k_eq_v", 0)
+        ids = jnp.zeros((1, 8), jnp.int32)
+        with self.assertRaisesRegex(ValueError, r"chunk_size=5: context parallelism over 2 "
+                                                r"devices \('seq'\) needs a multiple of 2"):
+            gemma4.prefill(model, ids, chunk_size=5, mesh=_mesh(2))
+        with self.assertRaisesRegex(ValueError, r"axes \('data',\) include neither tp_axis="
+                                                r"'heads' \(heads\) nor seq_axis='seq'"):
+            gemma4.prefill(model, ids, chunk_size=4, mesh=_mesh(2, ("data",)))
+        with self.assertRaisesRegex(ValueError, "segments per device must be an even int >= 2"):
+            gemma4.prefill(model, ids, chunk_size=4, mesh=_mesh(2), seq_segments=3)
+        with self.assertRaisesRegex(ValueError, "chunked context parallelism runs mode 'chunk'"):
+            with chunked.chunked_context_parallel("seq"):
+                model.hidden_states(ids)
+        with self.assertRaisesRegex(ValueError, "capacity 13 is not a multiple of devices x "
+                                                "segments = 4"):
+            chunked.slot_positions(13, 2, 2)
+
+
+if __name__ == "__main__":
+    absltest.main()
