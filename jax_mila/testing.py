@@ -79,6 +79,18 @@ def call_with_poisoned_outputs(fn, *args):
     return jax.tree.unflatten(treedef, out_leaves)
 
 
+def attention_target_call(target: str, q, k, v, q_offset, kv_offset, *, scale, causal, window):
+    """(o, lse) of one flash-attention FFI target called directly, past the routing of
+    jax_mila.ffi.flash_attention: so that tests can hold two kernels against each other
+    (``window`` 0: none)."""
+    b, t, hq, _ = q.shape
+    out = (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+           jax.ShapeDtypeStruct((b, hq, t), jnp.float32))
+    return jax.ffi.ffi_call(target, out)(q, k, v, jnp.int32(q_offset), jnp.int32(kv_offset),
+                                         scale=np.float32(scale), causal=bool(causal),
+                                         window=np.int64(window))
+
+
 def max_abs_err(a, b) -> float:
     return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
 

@@ -45,7 +45,7 @@ class RoutingTest(parameterized.TestCase):
                                   lambda: frozenset(registered)):
             if env is None:
                 os.environ.pop(ENV, None)
-            return attention._d256_target(*_shapes(hq, hkv))
+            return attention._target(*_shapes(hq, hkv))
 
     @parameterized.named_parameters(("_gemma_g2", None, 16, 8), ("_g1", None, 4, 4),
                                     ("_g16", None, 16, 1), ("_env_one", "1", 16, 8))
@@ -64,8 +64,7 @@ class RoutingTest(parameterized.TestCase):
         self.assertEqual(self._target(env, caps, registered, hq, hkv), MMA)
 
     def test_d512_routing_is_not_affected(self):
-        # The D=256 variable must not route D=512 calls (nor the reverse: _d256_target only
-        # serves D=256, see flash_attention).
+        # Each head dim has its own switch: the D=256 one must not route D=512 calls.
         with mock.patch.dict(os.environ, {ENV: "1", "JAX_MILA_FLASH512_SM90": "0"}), \
                 mock.patch.object(attention, "cuda_capabilities", lambda: ((9, 0),)), \
                 mock.patch.object(attention, "_registered_targets",
@@ -73,19 +72,10 @@ class RoutingTest(parameterized.TestCase):
                                                      attention.D512_SM90_TARGET})):
             q = jax.ShapeDtypeStruct((1, 8, 16, 512), jnp.bfloat16)
             k = jax.ShapeDtypeStruct((1, 8, 1, 512), jnp.bfloat16)
-            self.assertEqual(attention._d512_target(q, k), "jax_mila_flash_attention_d512")
+            self.assertEqual(attention._target(q, k), "jax_mila_flash_attention_d512")
 
     def test_target_is_a_known_flash_attention_target(self):
         ffi.status("flash_attention", SM90)  # raises ValueError for an unknown target
-
-
-def _call(target, q, k, v, qo, ko, *, scale, causal, window):
-    b, t, hq, _ = q.shape
-    out = (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
-           jax.ShapeDtypeStruct((b, hq, t), jnp.float32))
-    return jax.ffi.ffi_call(target, out)(q, k, v, jnp.int32(qo), jnp.int32(ko),
-                                         scale=np.float32(scale), causal=bool(causal),
-                                         window=np.int64(window))
 
 
 # (name, B, T, S, Hq, Hkv, causal, window, q_offset, kv_offset, scale): never tile multiples.
@@ -132,9 +122,9 @@ class Sm90VersusMmaSyncGpuTest(parameterized.TestCase):
         v = jax.random.normal(kv, (b, s, hkv, 256), jnp.float32).astype(jnp.bfloat16)
         kw = dict(scale=scale, causal=causal, window=window)
         # Poisoned outputs: an element the sm90 kernel never writes stays NaN and fails below.
-        o1, l1 = testing.call_with_poisoned_outputs(lambda *a: _call(SM90, *a, **kw), q, k, v,
-                                                    qo, ko)
-        o0, l0 = jax.jit(lambda *a: _call(MMA, *a, **kw))(q, k, v, qo, ko)
+        call = testing.attention_target_call
+        o1, l1 = testing.call_with_poisoned_outputs(lambda *a: call(SM90, *a, **kw), q, k, v, qo, ko)
+        o0, l0 = jax.jit(lambda *a: call(MMA, *a, **kw))(q, k, v, qo, ko)
         o1, l1, o0, l0 = (np.asarray(x, np.float32) for x in (o1, l1, o0, l0))
         msg = f"seed={seed}"
         self.assertTrue(np.isfinite(o1).all(), msg)

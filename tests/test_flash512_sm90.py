@@ -43,7 +43,7 @@ class RoutingTest(parameterized.TestCase):
                                   lambda: frozenset(registered)):
             if env is None:
                 os.environ.pop(ENV, None)
-            return attention._d512_target(*_shapes(hq, hkv))
+            return attention._target(*_shapes(hq, hkv))
 
     @parameterized.named_parameters(("_env_unset", None), ("_env_one", "1"))
     def test_hopper_routes_to_sm90_by_default(self, env):
@@ -62,15 +62,6 @@ class RoutingTest(parameterized.TestCase):
 
     def test_target_is_a_known_flash_attention_target(self):
         ffi.status("flash_attention", SM90)  # raises ValueError for an unknown target
-
-
-def _call(target, q, k, v, qo, ko, *, scale, causal, window):
-    b, t, hq, _ = q.shape
-    out = (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
-           jax.ShapeDtypeStruct((b, hq, t), jnp.float32))
-    return jax.ffi.ffi_call(target, out)(q, k, v, jnp.int32(qo), jnp.int32(ko),
-                                         scale=np.float32(scale), causal=bool(causal),
-                                         window=np.int64(window))
 
 
 # (name, B, T, S, Hq, Hkv, causal, window, q_offset, kv_offset, scale): never tile multiples.
@@ -100,9 +91,9 @@ class Sm90VersusMmaSyncGpuTest(parameterized.TestCase):
         v = jax.random.normal(kv, (b, s, hkv, 512), jnp.float32).astype(jnp.bfloat16)
         kw = dict(scale=scale, causal=causal, window=window)
         # Poisoned outputs: an element the sm90 kernel never writes stays NaN and fails below.
-        o1, l1 = testing.call_with_poisoned_outputs(lambda *a: _call(SM90, *a, **kw), q, k, v,
-                                                    qo, ko)
-        o0, l0 = jax.jit(lambda *a: _call(MMA, *a, **kw))(q, k, v, qo, ko)
+        call = testing.attention_target_call
+        o1, l1 = testing.call_with_poisoned_outputs(lambda *a: call(SM90, *a, **kw), q, k, v, qo, ko)
+        o0, l0 = jax.jit(lambda *a: call(MMA, *a, **kw))(q, k, v, qo, ko)
         o1, l1, o0, l0 = (np.asarray(x, np.float32) for x in (o1, l1, o0, l0))
         msg = f"seed={seed}"
         self.assertTrue(np.isfinite(o1).all(), msg)

@@ -25,36 +25,27 @@ MAX_GROUPS = 16
 # The D=512 kernel keeps a 64 x 512 Q tile resident beside its K and V tiles: it needs the
 # 160+ KB of shared memory per block of sm_80 and sm_90 (sm_86/sm_89 offer 99 KB).
 D512_CAPABILITIES = ((8, 0), (9, 0))
-# Hopper (wgmma + TMA) D=512 kernel, csrc/flash512_sm90/: the default when it is built (every
-# build whose architectures include 90a), every GPU has compute capability 9.0 and Hq / Hkv
-# divides its 64-row tile; otherwise the mma.sync kernel, which stays the portable path and the
-# oracle. JAX_MILA_FLASH512_SM90=0 turns it off (read at trace time).
+# Hopper (wgmma + TMA) kernels, csrc/flash512_sm90/ and csrc/flash256_sm90/: the default for
+# their head dim when built (every build whose architectures include 90a), every GPU has compute
+# capability 9.0 and Hq / Hkv divides 64 (the D=512 kernel's M tile; a D=256 consumer's rows);
+# otherwise the mma.sync kernel, which stays the portable path and the oracle.
+# JAX_MILA_FLASH512_SM90=0 / JAX_MILA_FLASH256_SM90=0 turn them off (read at trace time).
 D512_SM90_TARGET = "jax_mila_flash_attention_d512_sm90"
-
-
-def _d512_target(q, k) -> str:
-    if (os.environ.get("JAX_MILA_FLASH512_SM90", "1") != "0"
-            and D512_SM90_TARGET in _registered_targets()
-            and cuda_capabilities() and all(cc == (9, 0) for cc in cuda_capabilities())
-            and 64 % (q.shape[2] // k.shape[2]) == 0):
-        return D512_SM90_TARGET
-    return "jax_mila_flash_attention_d512"
-
-
-# Hopper (wgmma + TMA) D=256 kernel, csrc/flash256_sm90/: the default when it is built (every
-# build whose architectures include 90a), every GPU has compute capability 9.0 and Hq / Hkv
-# divides a consumer warpgroup's 64 rows; otherwise the mma.sync kernel, which stays the
-# portable path and the oracle. JAX_MILA_FLASH256_SM90=0 turns it off (read at trace time).
 D256_SM90_TARGET = "jax_mila_flash_attention_d256_sm90"
+_SM90 = {512: (D512_SM90_TARGET, "JAX_MILA_FLASH512_SM90"),
+         256: (D256_SM90_TARGET, "JAX_MILA_FLASH256_SM90")}
 
 
-def _d256_target(q, k) -> str:
-    if (os.environ.get("JAX_MILA_FLASH256_SM90", "1") != "0"
-            and D256_SM90_TARGET in _registered_targets()
+def _target(q, k) -> str:
+    """The FFI target a call with these q, k shapes runs (see above)."""
+    d = q.shape[-1]
+    sm90, switch = _SM90[d]
+    if (os.environ.get(switch, "1") != "0"
+            and sm90 in _registered_targets()
             and cuda_capabilities() and all(cc == (9, 0) for cc in cuda_capabilities())
             and 64 % (q.shape[2] // k.shape[2]) == 0):
-        return D256_SM90_TARGET
-    return "jax_mila_flash_attention_d256"
+        return sm90
+    return f"jax_mila_flash_attention_d{d}"
 
 
 def _validate(q, k, v, scale, causal, window, q_offset, kv_offset) -> None:
@@ -149,7 +140,7 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, q_offset=
     _validate(q, k, v, scale, causal, window, q_offset, kv_offset)
     d = q.shape[-1]
     scale = float(d**-0.5 if scale is None else scale)
-    target = _d512_target(q, k) if d == 512 else _d256_target(q, k)
+    target = _target(q, k)
     call = _make_call(target, scale, bool(causal), window)
     o, lse = call(q, k, v, jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32))
     return (o, lse) if return_lse else o
