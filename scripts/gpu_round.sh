@@ -51,7 +51,8 @@ run_entry() {  # entry, log, timeout
   else
     cmd=(python3 "$REPO/${words[0]}" "${words[@]:1}")
   fi
-  timeout "$3" env "${envs[@]}" "${cmd[@]}" >> "$2" 2>&1
+  # stdin from /dev/null: the callers feed the entry list through stdin (while read).
+  timeout "$3" env "${envs[@]}" "${cmd[@]}" < /dev/null >> "$2" 2>&1
   local rc=$?
   [ $rc = 124 ] && echo "   (timed out after $3 s)" | tee -a "$2"
   return $rc
