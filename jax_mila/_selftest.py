@@ -45,19 +45,47 @@ def _check_quantize() -> str | None:
     return None
 
 
-def _attention_case(d: int) -> Callable[[], str | None]:
+def _attention_case(d: int, target: str) -> Callable[[], str | None]:
+    """D=``d`` through ffi.flash_attention with its routing pinned to ``target`` (the Hopper
+    kernel or the portable one: jax_mila/ffi/attention.py)."""
+    from jax_mila.ffi import attention
+
+    sm90, switch = attention._SM90[d]
+
     def check() -> str | None:
         k1, k2, k3 = jax.random.split(_fresh_key(), 3)
         q = jax.random.normal(k1, (1, 97, 4, d), jnp.bfloat16)
         k = jax.random.normal(k2, (1, 130, 2, d), jnp.bfloat16)
         v = jax.random.normal(k3, (1, 130, 2, d), jnp.bfloat16)
         kw = dict(scale=d**-0.5, causal=True, window=64, q_offset=33, kv_offset=0)
-        o = jax.jit(lambda q, k, v: ffi.flash_attention(q, k, v, **kw))(q, k, v)
+        before = os.environ.get(switch)
+        os.environ[switch] = "1" if target == sm90 else "0"  # read when the call is traced
+        try:
+            routed = attention._target(q, k)
+            if routed != target:
+                return f"ffi.flash_attention routes this call to {routed}, not {target}"
+            o = jax.jit(lambda q, k, v: ffi.flash_attention(q, k, v, **kw))(q, k, v)
+        finally:
+            if before is None:
+                os.environ.pop(switch)
+            else:
+                os.environ[switch] = before
         o_ref = reference.flash_attention(q, k, v, **kw)
         err = float(jnp.max(jnp.abs(o.astype(jnp.float32) - o_ref.astype(jnp.float32))))
-        return None if err <= 2e-2 else f"max abs error {err:.3g} > 2e-2 (D={d})"
+        return None if err <= 2e-2 else f"max abs error {err:.3g} > 2e-2 ({target})"
 
     return check
+
+
+def _attention_targets() -> list[tuple[int, str]]:
+    """(head dim, target) of the attention kernels this process can run: the portable ones,
+    and the Hopper ones when every GPU is compute capability 9.0."""
+    from jax_mila.ffi import _registry, attention
+
+    caps = _registry.cuda_capabilities()
+    hopper = bool(caps) and all(cc == (9, 0) for cc in caps)
+    return [(d, t) for d in (256, 512)
+            for t in (f"jax_mila_flash_attention_d{d}",) + ((attention._SM90[d][0],) if hopper else ())]
 
 
 def _check_w4a8() -> str | None:
@@ -80,8 +108,7 @@ def _checks() -> dict[str, list[tuple[str | None, Callable[[], str | None]]]]:
     """op -> [(target or None, check)]; an op with several targets is checked per target."""
     return {
         "quantize_activations": [(None, _check_quantize)],
-        "flash_attention": [(f"jax_mila_flash_attention_d{d}", _attention_case(d))
-                            for d in (256, 512)],
+        "flash_attention": [(t, _attention_case(d, t)) for d, t in _attention_targets()],
         "w4a8_matmul": [(None, _check_w4a8)],
     }
 
@@ -96,7 +123,7 @@ def run(verbose: bool = True) -> list[SelftestResult]:
                                           f"default device is {platform}; kernels run on CUDA GPUs"))
             continue
         for target, check in checks.get(op, []):
-            name = op if target is None else f"{op}[{target.rsplit('_', 1)[-1]}]"
+            name = op if target is None else f"{op}[{target.removeprefix(f'jax_mila_{op}_')}]"
             st = ffi.status(op, target)
             if not st.kernel:
                 results.append(SelftestResult(name, "NOT AVAILABLE", st.reason))

@@ -1,4 +1,4 @@
-"""The opt-in Hopper D=512 flash attention (csrc/flash512_sm90/, target *_d512_sm90).
+"""The Hopper D=512 flash attention (csrc/flash512_sm90/, target *_d512_sm90).
 
 CPU: jax_mila.ffi.attention routes D=512 calls to it by default when the target is built, every
 GPU has compute capability 9.0 and Hq / Hkv divides its 64-row tile; JAX_MILA_FLASH512_SM90=0

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from absl.testing import absltest
 
 import jax_mila
-from jax_mila import ffi, testing
+from jax_mila import _selftest, ffi, testing
 from jax_mila.ffi import _registry
 
 
@@ -62,6 +62,28 @@ class SelftestTest(absltest.TestCase):
             self.assertTrue(all(r.outcome == "REFERENCE ONLY" for r in results))
         else:
             self.assertFalse([r for r in results if r.outcome in ("MISMATCH", "ERROR")])
+
+    def test_selftest_checks_the_hopper_attention_kernels_apart(self):
+        # On Hopper ffi.flash_attention routes to the sm90 kernels: the selftest checks those
+        # and, with the routing pinned, the portable ones, each under its own name.
+        with mock.patch.object(_registry, "cuda_capabilities", lambda: ((9, 0),)):
+            targets = [t for t, _ in _selftest._checks()["flash_attention"]]
+        self.assertEqual(targets, ["jax_mila_flash_attention_d256",
+                                   "jax_mila_flash_attention_d256_sm90",
+                                   "jax_mila_flash_attention_d512",
+                                   "jax_mila_flash_attention_d512_sm90"])
+        with mock.patch.object(_registry, "cuda_capabilities", lambda: ((8, 9),)):
+            targets = [t for t, _ in _selftest._checks()["flash_attention"]]
+        self.assertEqual(targets, ["jax_mila_flash_attention_d256", "jax_mila_flash_attention_d512"])
+
+    def test_selftest_refuses_a_kernel_the_routing_does_not_reach(self):
+        # A check pinned to the sm90 kernel where routing cannot pick it (not built here, or
+        # not a cc 9.0 device) must say so instead of checking another kernel under its name.
+        from jax_mila.ffi import attention
+
+        with mock.patch.object(attention, "_registered_targets", lambda: frozenset()):
+            problem = _selftest._attention_case(256, attention.D256_SM90_TARGET)()
+        self.assertIn("routes this call to jax_mila_flash_attention_d256,", problem)
 
 
 if __name__ == "__main__":
