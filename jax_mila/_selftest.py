@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from typing import Callable
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -58,18 +59,12 @@ def _attention_case(d: int, target: str) -> Callable[[], str | None]:
         k = jax.random.normal(k2, (1, 130, 2, d), jnp.bfloat16)
         v = jax.random.normal(k3, (1, 130, 2, d), jnp.bfloat16)
         kw = dict(scale=d**-0.5, causal=True, window=64, q_offset=33, kv_offset=0)
-        before = os.environ.get(switch)
-        os.environ[switch] = "1" if target == sm90 else "0"  # read when the call is traced
-        try:
+        # The switch is read when the call is traced.
+        with mock.patch.dict(os.environ, {switch: "1" if target == sm90 else "0"}):
             routed = attention._target(q, k)
             if routed != target:
                 return f"ffi.flash_attention routes this call to {routed}, not {target}"
             o = jax.jit(lambda q, k, v: ffi.flash_attention(q, k, v, **kw))(q, k, v)
-        finally:
-            if before is None:
-                os.environ.pop(switch)
-            else:
-                os.environ[switch] = before
         o_ref = reference.flash_attention(q, k, v, **kw)
         err = float(jnp.max(jnp.abs(o.astype(jnp.float32) - o_ref.astype(jnp.float32))))
         return None if err <= 2e-2 else f"max abs error {err:.3g} > 2e-2 ({target})"

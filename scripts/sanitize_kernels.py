@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -100,11 +101,8 @@ def check_w4a8():
 
 def _with_env(name, value, checks):
     """``checks`` with os.environ[name] = value while they run (routing is read at trace time)."""
-    os.environ[name] = value
-    try:
+    with mock.patch.dict(os.environ, {name: value}):
         yield from checks
-    finally:
-        os.environ.pop(name)
 
 
 # On Hopper "d256" / "d512" run the sm90 kernels (the defaults there); "d256_mma" / "d512_mma"

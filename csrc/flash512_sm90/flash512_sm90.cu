@@ -221,40 +221,33 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int cb = 0; cb < 8; ++cb)
         hx::tma_load_4d(sQ + cb * kColBlockBytes, &tm_q, bar_q, cb * 64, h * G, m0 / G, b);
-      for (int tile = tile_lo, i = 0; tile < tile_hi; ++tile, ++i) {
-        const int n0 = tile * kBlockN;
+      // One K or V tile: wait until the consumers released the buffer's previous tile, then
+      // refill it. kCluster 1: all 8 column blocks into this CTA. kCluster 2: this CTA loads
+      // column blocks 4 rank .. 4 rank + 3 into both CTAs; each CTA's full barrier expects
+      // the whole tile (its own 4 boxes and the other CTA's 4), and the empty barriers count
+      // both CTAs' consumer warps (the tile is overwritten in both).
+      auto load_tile = [&](int i, int n0, uint32_t empty, uint32_t full, uint32_t dst,
+                           const CUtensorMap* map) {
         if constexpr (kCluster == 1) {
-          if (i > 0) hx::mbar_wait(bar_k_empty, (i - 1) & 1);
-          hx::mbar_arrive_expect_tx(bar_k_full, kTileBytes);
+          if (i > 0) hx::mbar_wait(empty, (i - 1) & 1);
+          hx::mbar_arrive_expect_tx(full, kTileBytes);
 #pragma unroll
           for (int cb = 0; cb < 8; ++cb)
-            hx::tma_load_4d(sK + cb * kColBlockBytes, &tm_k, bar_k_full, cb * 64, h, n0, b);
-          if (i > 0) hx::mbar_wait(bar_v_empty, (i - 1) & 1);
-          hx::mbar_arrive_expect_tx(bar_v_full, kTileBytes);
-#pragma unroll
-          for (int cb = 0; cb < 8; ++cb)
-            hx::tma_load_4d(sV + cb * kColBlockBytes, &tm_v, bar_v_full, cb * 64, h, n0, b);
+            hx::tma_load_4d(dst + cb * kColBlockBytes, map, full, cb * 64, h, n0, b);
         } else {
-          // This CTA loads column blocks 4 rank .. 4 rank + 3 into both CTAs; each CTA's
-          // full barrier expects the whole tile (its own 4 boxes and the other CTA's 4).
-          // The empty barriers count both CTAs' consumer warps: the tile is overwritten in both.
-          if (i > 0) hx::mbar_wait_cluster(bar_k_empty, (i - 1) & 1);
-          hx::mbar_arrive_expect_tx(bar_k_full, kTileBytes);
+          if (i > 0) hx::mbar_wait_cluster(empty, (i - 1) & 1);
+          hx::mbar_arrive_expect_tx(full, kTileBytes);
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             const int cb = 4 * static_cast<int>(rank) + j;
-            hx::tma_load_4d_multicast(sK + cb * kColBlockBytes, &tm_k, bar_k_full, cb * 64, h, n0,
-                                      b, 0x3);
-          }
-          if (i > 0) hx::mbar_wait_cluster(bar_v_empty, (i - 1) & 1);
-          hx::mbar_arrive_expect_tx(bar_v_full, kTileBytes);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int cb = 4 * static_cast<int>(rank) + j;
-            hx::tma_load_4d_multicast(sV + cb * kColBlockBytes, &tm_v, bar_v_full, cb * 64, h, n0,
-                                      b, 0x3);
+            hx::tma_load_4d_multicast(dst + cb * kColBlockBytes, map, full, cb * 64, h, n0, b,
+                                      0x3);
           }
         }
+      };
+      for (int tile = tile_lo, i = 0; tile < tile_hi; ++tile, ++i) {
+        load_tile(i, tile * kBlockN, bar_k_empty, bar_k_full, sK, &tm_k);
+        load_tile(i, tile * kBlockN, bar_v_empty, bar_v_full, sV, &tm_v);
       }
     }
     // With a cluster, no CTA may exit while the other can still arrive on its barriers.

@@ -392,19 +392,8 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const W4A8Args 
   const float ws0 = channel_scale(args.channel_exp, n0 + col0, N);
   const float ws1 = channel_scale(args.channel_exp, n0 + col0 + 8, N);
   if constexpr (std::is_same_v<OutT, float>) {
-    // float32: direct stores; the 8 lanes of a quad column write 32 contiguous bytes (a sector).
-    float* out = static_cast<float*>(args.out);
-#pragma unroll
-    for (int j = 0; j < kBM / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int64_t r = m0 + 8 * j + 2 * q + e;
-        if (r >= M) continue;
-        const float xs = args.x_scale[r];
-        if (n0 + col0 < N) out[r * N + n0 + col0] = acc[4 * j + e] * ws0 * xs;
-        if (n0 + col0 + 8 < N) out[r * N + n0 + col0 + 8] = acc[4 * j + 2 + e] * ws1 * xs;
-      }
-    }
+    store_f32_tile<kBM>(acc, static_cast<float*>(args.out), args.x_scale, m0, M, n0, col0, N,
+                        ws0, ws1, q);
     return;
   }
   // bfloat16: scale, round, stage y[act row][weight col] in shared memory, then write 16-byte

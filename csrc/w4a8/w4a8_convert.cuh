@@ -48,6 +48,28 @@ __device__ __forceinline__ float channel_scale(const uint8_t* channel_exp, int n
   return n < N ? ldexpf(1.f, static_cast<int>(channel_exp[n]) - kChannelExpShift) : 0.f;
 }
 
+// float32 epilogue of the wgmma kernels (y^T tiles: a warpgroup's m64 accumulator over kRows
+// activation rows). acc[4j + e] = y^T[weight row n0 + col (+8 if e >= 2)][activation row
+// m0 + 8j + 2q (+1 if e odd)] for this thread's quad q; scaled by the channel and row scales
+// and stored directly (the 8 lanes of a quad column write 32 contiguous bytes, a sector).
+// Rows >= M and columns >= N are not stored.
+template <int kRows>
+__device__ __forceinline__ void store_f32_tile(const float (&acc)[kRows / 2], float* out,
+                                               const float* x_scale, int64_t m0, int64_t M, int n0,
+                                               int col, int N, float ws0, float ws1, int q) {
+#pragma unroll
+  for (int j = 0; j < kRows / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int64_t r = m0 + 8 * j + 2 * q + e;
+      if (r >= M) continue;
+      const float xs = x_scale[r];
+      if (n0 + col < N) out[r * N + n0 + col] = acc[4 * j + e] * ws0 * xs;
+      if (n0 + col + 8 < N) out[r * N + n0 + col + 8] = acc[4 * j + 2 + e] * ws1 * xs;
+    }
+  }
+}
+
 // Grouped raster: consecutive CTAs walk `group_m` M tiles for one N tile, so the weight tile
 // and the group's activation tiles stay in L2.
 __device__ __forceinline__ void tile_coords(int pid, int tiles_m, int tiles_n, int group_m,

@@ -33,7 +33,6 @@ builds it, with tensor parallelism over a second axis if asked (jax_mila.paralle
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import importlib
 
@@ -42,12 +41,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_mila.parallel._scope import TraceScope
+
 # Segments per device: more balance the causal work of each chunk better (94% of ideal for
 # 2 devices at 8, 89% at 4, 80% at 2; docs/notes_parallel.md) but cost one attention call
 # and one partial result [B, C, Hq, D] to merge each per full layer and chunk.
 DEFAULT_SEGMENTS = 8
 
-_STATE = contextvars.ContextVar("jax_mila_chunked_context_parallel", default=None)
+_STATE = TraceScope("jax_mila_chunked_context_parallel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,16 +57,11 @@ class _State:
     segments: int
 
 
-@contextlib.contextmanager
 def chunked_context_parallel(axis: str, segments: int = DEFAULT_SEGMENTS):
     """Within this context (tracing a chunk step inside shard_map, the chunk's tokens split
     over `axis`), the model takes its positions from the split, writes full-attention K/V into
     the position-sharded cache and merges attention across the axis."""
-    token = _STATE.set(_State(axis, segments))
-    try:
-        yield
-    finally:
-        _STATE.reset(token)
+    return _STATE.bound(_State(axis, segments))
 
 
 def active_axis() -> str | None:

@@ -25,27 +25,21 @@ Both functions run inside `jax.shard_map` with the sequence axis of q, k, v shar
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_mila.parallel._scope import TraceScope
 
-_AXIS = contextvars.ContextVar("jax_mila_context_parallel_axis", default=None)
+
+_AXIS = TraceScope("jax_mila_context_parallel_axis")
 
 
-@contextlib.contextmanager
 def context_parallel(axis: str):
     """Within this context (while tracing inside shard_map with the sequence sharded over
     `axis` in zig-zag order), the Gemma 4 model takes its positions from the layout and runs
     its attention layers as ring (causal) or halo (sliding window) attention."""
-    token = _AXIS.set(axis)
-    try:
-        yield
-    finally:
-        _AXIS.reset(token)
+    return _AXIS.bound(axis)
 
 
 def active_axis() -> str | None:

@@ -17,30 +17,23 @@ The model runs inside `jax.shard_map` with the specs from `param_specs`, under
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import jax
 from jax.sharding import PartitionSpec as P
 
 from jax_mila.ffi.w4a8 import K_MULTIPLE as W4A8_K_MULTIPLE
+from jax_mila.parallel._scope import TraceScope
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 KV_PROJECTIONS = ("k_proj", "v_proj")
 
-_AXIS = contextvars.ContextVar("jax_mila_tensor_parallel_axis", default=None)
+_AXIS = TraceScope("jax_mila_tensor_parallel_axis")
 
 
-@contextlib.contextmanager
 def tensor_parallel(axis: str):
     """Within this context (while tracing inside shard_map), row-parallel outputs are summed
     over `axis`."""
-    token = _AXIS.set(axis)
-    try:
-        yield
-    finally:
-        _AXIS.reset(token)
+    return _AXIS.bound(axis)
 
 
 def active_axis() -> str | None:
