@@ -46,13 +46,15 @@ class DevicesBenchTest(absltest.TestCase):
                 contextlib.redirect_stdout(out):
             rows = bench.main(["--model", "embedded", "--seqs", "40", "--backends", "reference",
                                "--devices", "2,1", "--reps", "1", "--chunk-size", "15",
-                               "--seq-segments", "2", "--no-profile"])
+                               "--seq-segments", "2", "--no-profile", "--memory-plan"])
         text = out.getvalue()
         by = {r.get("devices", 1): r for r in rows}
         self.assertEqual(sorted(by), [1, 2], msg=str(rows))
         for r in rows:
             self.assertEqual(r["status"], "ok", msg=str(r))
             self.assertTrue(r["finite"], msg=str(r))
+        # XLA's plan of the context-parallel step, per device (--memory-plan).
+        self.assertGreater(by[2]["plan_temp_bytes"], 0, msg=str(by[2]))
         self.assertEqual(by[1]["chunk"], 15)
         self.assertEqual(by[2]["chunk"], 16)  # rounded up to a multiple of the devices
         # The full-attention layers' cache is split over the two devices.

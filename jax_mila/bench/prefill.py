@@ -38,7 +38,8 @@ equal to the previous one is marked as an upper bound). It includes the first ca
 (XLA autotuning scratch). Breakdown: weights = bytes of the model's arrays, KV cache = bytes
 of the cache prefill returns, activations/workspace = peak - weights - cache. With
 --memory-plan, XLA's own plan for one chunk step (temporary buffers of the compiled step, from
-its memory analysis) is printed beside it: steady-state activations, without compile scratch.
+its memory analysis) is printed beside it: steady-state activations, without compile scratch;
+for --devices N > 1, the context-parallel step's plan per device.
 
 Op split (--profile, default on): one more prefill under jax.profiler; GPU kernel time by
 name (jax_mila.bench.trace: flash d512 = global attention, d256 = local, w4a8 / activation
@@ -180,9 +181,10 @@ def _jax_worker(spec: dict) -> None:
                 row["activations_bytes"] = p - weights - row["cache_bytes"]
                 row["activation_bytes_per_token"] = row["activations_bytes"] / row["chunk"]
                 previous_peak = p
-            if spec.get("memory_plan") and row["chunk"] < length and n_dev == 1:
-                row["plan_temp_bytes"] = _chunk_step_temp_bytes(generate, model, row["chunk"], length,
-                                                                spec.get("kv_cache_dtype"))
+            if spec.get("memory_plan") and (row["chunk"] < length or n_dev > 1):
+                row["plan_temp_bytes"] = _chunk_step_temp_bytes(
+                    generate, model, row["chunk"], length, spec.get("kv_cache_dtype"),
+                    mesh=mesh, segments=spec.get("seq_segments"))
             if spec["profile"]:
                 row["split_ms"], row["split_note"] = _profile(run, trace_mod)
                 if n_dev > 1 and row["split_ms"]:
@@ -193,11 +195,13 @@ def _jax_worker(spec: dict) -> None:
         _emit(row)
 
 
-def _chunk_step_temp_bytes(generate, model, chunk: int, length: int, kv_cache_dtype) -> int | None:
+def _chunk_step_temp_bytes(generate, model, chunk: int, length: int, kv_cache_dtype,
+                           mesh=None, segments: int | None = None) -> int | None:
     """XLA's own plan for one chunk step: the bytes of its temporary buffers (activations and
     workspace, weights and cache excluded), from the compiled executable's memory analysis.
     The allocator's peak also holds what the first call's compile needed (autotuning scratch);
-    this does not, so the two together say which of them sets the peak."""
+    this does not, so the two together say which of them sets the peak. With `mesh` (a "seq"
+    axis): the context-parallel step, per device."""
     import jax  # noqa: PLC0415 - the worker imports jax lazily (the parent never does)
     import jax.numpy as jnp  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
@@ -205,11 +209,24 @@ def _chunk_step_temp_bytes(generate, model, chunk: int, length: int, kv_cache_dt
     from jax_mila.gemma4 import cache as kv  # noqa: PLC0415
 
     graphdef, state = nnx.split(model)
+    ids = jax.ShapeDtypeStruct((1, chunk), jnp.int32)
+    valid = jax.ShapeDtypeStruct((), jnp.int32)
+    if mesh is not None:
+        from jax_mila.parallel import chunked  # noqa: PLC0415
+
+        segments = chunked.DEFAULT_SEGMENTS if segments is None else segments
+        devices = mesh.shape["seq"]
+        # A real cache (the step places it on the mesh); the caller measured the peak before.
+        cache = kv.empty(model.config, 1, chunked.capacity(length, devices, segments), model.dtype,
+                         full_dtype=kv_cache_dtype, seq_layout=(devices, segments))
+        step, state, cache = chunked.sharded_chunk_step(model, state, cache, mesh, tp_axis=None,
+                                                        seq_axis="seq", segments=segments)
+        analysis = step.lower(state, cache, ids, valid).compile().memory_analysis()
+        del cache
+        return None if analysis is None else int(analysis.temp_size_in_bytes)
     abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
     cache = jax.eval_shape(lambda: kv.empty(model.config, 1, length, model.dtype,
                                             full_dtype=kv_cache_dtype))
-    ids = jax.ShapeDtypeStruct((1, chunk), jnp.int32)
-    valid = jax.ShapeDtypeStruct((), jnp.int32)
     analysis = generate.chunk_step_fn(model).lower(graphdef, abstract(state), cache, ids, valid) \
         .compile().memory_analysis()
     return None if analysis is None else int(analysis.temp_size_in_bytes)
