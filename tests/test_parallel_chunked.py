@@ -5,6 +5,7 @@ jax_mila.parallel.chunked) against the single-device chunked prefill, on forced 
 do not divide the prompt, prompts shorter than a chunk, caches longer than the prompt (empty
 segments), KV-shared / PLE / MoE layers, and a seq x heads mesh."""
 
+import functools
 import re
 
 import jax
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_mila import gemma4
 from jax_mila.gemma4 import cache as kv
@@ -191,6 +192,35 @@ class ChunkedContextParallelTest(parameterized.TestCase):
                            mesh=mesh, seq_segments=2)
         self.assertLen(chunked._STEPS, 1)
         self.assertEqual(next(iter(chunked._STEPS.values()))._cache_size(), 1)
+
+    @parameterized.parameters(((2,), ("seq",), "seq", None), ((2, 2), ("seq", "heads"), "seq", "heads"))
+    def test_empty_cache_is_made_in_its_shards(self, shape, names, seq_axis, tp_axis):
+        # prefill's cache on a mesh: each buffer created with its cache_specs sharding (each
+        # device allocates only its part), zero, with the static fields of kv.empty's.
+        model = _model("moe", 0)
+        mesh = _mesh(shape, names)
+        make = functools.partial(kv.empty, model.config, 1, 24, jnp.float32, seq_layout=(2, 2))
+        cache = chunked.empty_on_mesh(make, model.config, mesh, tp_axis=tp_axis, seq_axis=seq_axis)
+        want = make()
+        specs = chunked.cache_specs(want, model.config, seq_axis=seq_axis, tp_axis=tp_axis,
+                                    tp_size=mesh.shape.get("heads", 1))
+        self.assertEqual((cache.max_len, cache.seq_layout), (want.max_len, want.seq_layout))
+        got_leaves, got_def = jax.tree.flatten(cache)
+        want_leaves, want_def = jax.tree.flatten(want)
+        self.assertEqual(got_def, want_def)
+        spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+        self.assertLen(spec_leaves, len(got_leaves))
+        for got, ref, spec in zip(got_leaves, want_leaves, spec_leaves):
+            self.assertEqual((got.shape, got.dtype), (ref.shape, ref.dtype))
+            self.assertEqual(got.sharding, NamedSharding(mesh, spec))
+            for shard in got.addressable_shards:
+                self.assertEqual(shard.data.shape, got.sharding.shard_shape(got.shape))
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+        # The full-attention buffers are split by position, not whole on any device.
+        full = [x for x, sp in zip(got_leaves, spec_leaves) if len(sp) > 1 and sp[1] == seq_axis]
+        self.assertNotEmpty(full)
+        for x in full:
+            self.assertLess(x.addressable_shards[0].data.shape[1], x.shape[1])
 
     def test_layout_is_zigzag_and_covers_every_position(self):
         # 2 devices x 4 segments of 3: device 0 owns 0, 3, 4, 7 and device 1 owns 1, 2, 5, 6.

@@ -51,6 +51,7 @@ Prints the tables last; writes everything to $OUT/prefill.json when OUT is set.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -216,9 +217,10 @@ def _chunk_step_temp_bytes(generate, model, chunk: int, length: int, kv_cache_dt
 
         segments = chunked.DEFAULT_SEGMENTS if segments is None else segments
         devices = mesh.shape["seq"]
-        # A real cache (the step places it on the mesh); the caller measured the peak before.
-        cache = kv.empty(model.config, 1, chunked.capacity(length, devices, segments), model.dtype,
-                         full_dtype=kv_cache_dtype, seq_layout=(devices, segments))
+        # A real cache, made in its shards as prefill makes it; the caller measured the peak.
+        make = functools.partial(kv.empty, model.config, 1, chunked.capacity(length, devices, segments),
+                                 model.dtype, full_dtype=kv_cache_dtype, seq_layout=(devices, segments))
+        cache = chunked.empty_on_mesh(make, model.config, mesh, tp_axis=None, seq_axis="seq")
         step, state, cache = chunked.sharded_chunk_step(model, state, cache, mesh, tp_axis=None,
                                                         seq_axis="seq", segments=segments)
         analysis = step.lower(state, cache, ids, valid).compile().memory_analysis()

@@ -194,10 +194,13 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
     layout = ()
     if seq is not None:
         max_len, layout = chunked.capacity(max_len, devices, segments), (devices, segments)
-    cache = kv.empty(model.config, batch, max_len, model.dtype, full_dtype=kv_cache_dtype,
-                     seq_layout=layout)
-    step = functools.partial(chunk_step_fn(model), graphdef)
-    if mesh is not None:
+    make_cache = functools.partial(kv.empty, model.config, batch, max_len, model.dtype,
+                                   full_dtype=kv_cache_dtype, seq_layout=layout)
+    if mesh is None:
+        cache = make_cache()
+        step = functools.partial(chunk_step_fn(model), graphdef)
+    else:
+        cache = chunked.empty_on_mesh(make_cache, model.config, mesh, tp_axis=tp, seq_axis=seq)
         step, state, cache = chunked.sharded_chunk_step(model, state, cache, mesh, tp_axis=tp,
                                                         seq_axis=seq, segments=segments)
     steps = range(chunks)
