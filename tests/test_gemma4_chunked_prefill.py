@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import json
 import re
 from unittest import mock
 
@@ -140,11 +141,12 @@ class ChunkedPrefillTest(parameterized.TestCase):
         with mock.patch.object(jax, "devices", return_value=[cpu]):
             self.assertEqual(gen.default_chunk_size(model, 1, 100), gen.DEFAULT_CHUNK)
         # 64 MiB free less a ~1 KiB cache; the widest activation is the global layers' query
-        # heads (4 x 32 float32 values): a quarter of it over 16 * 128 * 4 bytes per token is
-        # 2047 tokens, rounded down to a power of two.
+        # heads (4 x 32 float32 values). Not on the kernels (a mock device), so a token costs
+        # 16 * 128 * 4 bytes plus 12 bytes of scores per head and position (4 x 1): half of
+        # the free memory over that is 4072 tokens, rounded down to a power of two.
         gpu = mock.Mock(memory_stats=mock.Mock(return_value=dict(bytes_limit=2**26, bytes_in_use=0)))
         with mock.patch.object(jax, "devices", return_value=[gpu]):
-            self.assertEqual(gen.default_chunk_size(model, 1, 1), 1024)
+            self.assertEqual(gen.default_chunk_size(model, 1, 1), 2048)
             self.assertEqual(gen.default_chunk_size(model, 64, 1), gen.MIN_CHUNK)
         # chunk_size=None chunks a prompt longer than the default chunk.
         ids = prompt(0, 9)
@@ -154,6 +156,30 @@ class ChunkedPrefillTest(parameterized.TestCase):
             logits, cache = gemma4.prefill(model, ids)
         self.assertEqual(gen.chunk_step_fn(model)._cache_size() - before, 1)
         assert_close_logits(logits, ref)
+
+    def test_default_chunk_size_for_the_12b_at_64k(self):
+        # The H200 measurements the plan comes from (docs/performance.md): 12B, bf16 MXFP4
+        # weights (7.27 GiB in use), 64K tokens, 12 GiB budget. On the kernels, chunk 4096 ran
+        # at 9.28 GiB peak: the plan must reach it. Through XLA the float32 scores cost 12.3 MiB
+        # per chunk token at 64K: the plan must fall to the smallest chunk.
+        from flax import nnx  # noqa: PLC0415
+
+        from jax_mila.gemma4 import paths  # noqa: PLC0415
+        from jax_mila.gemma4.config import Gemma4Config  # noqa: PLC0415
+
+        with open(paths.model_card("12b")) as f:
+            cfg = Gemma4Config.from_dict(json.load(f))
+        model = nnx.eval_shape(lambda: gemma4.Gemma4ForCausalLM(
+            cfg, dtype=jnp.bfloat16, quantize="w4a8", rngs=nnx.Rngs(0)))
+        stats = dict(bytes_limit=141 * 2**30, bytes_in_use=int(7.27 * 2**30))
+        gpu = mock.Mock(memory_stats=mock.Mock(return_value=stats))
+        plan = lambda n: gen.default_chunk_size(model, 1, n, memory_limit=12 * 2**30)  # noqa: E731
+        with mock.patch.object(jax, "devices", return_value=[gpu]):
+            with mock.patch.object(gen, "_attention_on_kernels", return_value=True):
+                self.assertEqual(plan(65536), 4096)
+                self.assertEqual(plan(131072), 4096)  # measured there: 10.36 GiB peak
+            with mock.patch.object(gen, "_attention_on_kernels", return_value=False):
+                self.assertEqual(plan(65536), gen.MIN_CHUNK)
 
     def test_bf16_kernel_head_dims_through_ffi(self):
         """Head dims 256/512 in bf16 take jax_mila.ffi.flash_attention (its reference on CPU;

@@ -97,7 +97,30 @@ def forward(model: Gemma4ForCausalLM, input_ids) -> jax.Array:
 
 DEFAULT_CHUNK = 2048        # tokens per chunk when the device reports no memory figures
 MIN_CHUNK, MAX_CHUNK = 256, 16384
-ACTIVATION_FRACTION = 0.25  # of the free device memory, for one chunk's activations
+ACTIVATION_FRACTION = 0.5   # of the free device memory, for one chunk's activations
+# One chunk token's activations, in values of the model's widest layer activation (hidden, MLP
+# gate+up, all query heads, routed experts' gate+up) in its dtype. Measured on the H200 (12B,
+# bf16, chunk 4096, docs/performance.md): the kernel path holds ~180 KiB per token, 3 values
+# of its widest activation (gate+up, 30720 wide); 4 leaves a margin. The reference path also
+# holds float32 attention scores: ~12 bytes per query head and cache position (12.3 MiB per
+# token at 64K, against 1.5 MiB at 4K).
+KERNEL_VALUES_PER_TOKEN = 4
+REFERENCE_VALUES_PER_TOKEN = 16
+REFERENCE_SCORE_BYTES = 12
+
+
+def _attention_on_kernels(model: Gemma4ForCausalLM) -> bool:
+    """Whether this model's attention runs on the CUDA kernels here (the chunk plan's memory
+    model differs: the XLA path holds float32 scores)."""
+    from jax_mila import ffi  # noqa: PLC0415
+
+    if model.backend == "reference":
+        return False
+    try:
+        on_gpu = jax.devices()[0].platform == "gpu"
+    except RuntimeError:
+        return False
+    return on_gpu and ffi.status("flash_attention").kernel
 
 
 def default_chunk_size(model: Gemma4ForCausalLM, batch: int, max_len: int, *,
@@ -108,11 +131,12 @@ def default_chunk_size(model: Gemma4ForCausalLM, batch: int, max_len: int, *,
     free = limit - in use - the KV cache about to be allocated, where limit is the smaller of
     bytes_limit and ``memory_limit`` (bytes; a budget the whole prefill should stay under,
     e.g. the benchmark's 12 GiB on an H200 that has far more); the chunk is the largest power
-    of two whose activations fit in ACTIVATION_FRACTION of that, where one token of one
-    sequence costs about 16 values of the widest layer activation (hidden, MLP gate+up, all
-    query heads, routed experts' gate+up) in the model's dtype; clamped to [MIN_CHUNK,
-    MAX_CHUNK]. Without figures (CPU): DEFAULT_CHUNK. A rough bound, not a measurement: pass
-    chunk_size to override."""
+    of two whose activations fit in ACTIVATION_FRACTION of that, clamped to [MIN_CHUNK,
+    MAX_CHUNK]. One token of one sequence costs KERNEL_VALUES_PER_TOKEN values of the widest
+    layer activation when attention runs on the CUDA kernels, and REFERENCE_VALUES_PER_TOKEN
+    of them plus REFERENCE_SCORE_BYTES per query head and cache position when it runs through
+    XLA (backend "reference", or no kernel). Without figures (CPU): DEFAULT_CHUNK. An estimate
+    from measured runs, not a guarantee: pass chunk_size to override."""
     try:
         stats = jax.devices()[0].memory_stats() or {}
     except Exception:  # some backends raise instead of returning None
@@ -127,7 +151,11 @@ def default_chunk_size(model: Gemma4ForCausalLM, batch: int, max_len: int, *,
     widths += [cfg.num_attention_heads * s.head_dim for s in cfg.layers]
     if cfg.enable_moe_block:
         widths.append(2 * cfg.top_k_experts * cfg.moe_intermediate_size)
-    per_token = 16 * max(widths) * itemsize * batch
+    if _attention_on_kernels(model):
+        per_token = KERNEL_VALUES_PER_TOKEN * max(widths) * itemsize * batch
+    else:
+        per_token = (REFERENCE_VALUES_PER_TOKEN * max(widths) * itemsize
+                     + REFERENCE_SCORE_BYTES * cfg.num_attention_heads * max_len) * batch
     limit = stats["bytes_limit"] if memory_limit is None else min(stats["bytes_limit"], memory_limit)
     free = limit - stats["bytes_in_use"] - cache_bytes
     tokens = max(int(free * ACTIVATION_FRACTION) // per_token, 1)
