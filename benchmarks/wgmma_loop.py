@@ -1,0 +1,46 @@
+"""W4A8 main-loop roofline on Hopper: builds benchmarks/micro/wgmma_fp8_loop.cu with nvcc and
+runs it (one CTA per SM; the wgmma_ws consumers' loop with its loads taken away, as chained
+accumulation, with the kernel's promotion, and with promotion plus weight conversion). Its
+header says what each variant keeps. Needs an sm_90 GPU and nvcc (PATH, $CUDA_HOME or
+/usr/local/cuda).
+
+    python3 benchmarks/wgmma_loop.py [--tiles 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCE = os.path.join(ROOT, "benchmarks", "micro", "wgmma_fp8_loop.cu")
+
+
+def _nvcc() -> str:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    path = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    if not os.path.exists(path):
+        sys.exit("wgmma_loop: nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiles", type=int, default=4096, help="K tiles per CTA (default 4096)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "wgmma_fp8_loop")
+        subprocess.run([_nvcc(), "-gencode", "arch=compute_90a,code=sm_90a", "-O3", "-std=c++17",
+                        "-DMILA_HAS_SM90A", "-I", os.path.join(ROOT, "csrc"), SOURCE, "-o", exe],
+                       check=True)
+        return subprocess.run([exe, str(args.tiles)], check=False).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
