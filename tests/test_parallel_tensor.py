@@ -36,6 +36,21 @@ def _mesh(n):
     return Mesh(np.array(jax.devices("cpu")[:n]), ("heads",))
 
 
+def _float32_noise_sensitivity(model, ids, logits, seed, draws=8):
+    """Largest relative change of `logits` when the embedding table is multiplied by 1 + 2e-7
+    noise (float32-level, as a different summation order is): ~1e-7 for a smooth model, one
+    FP8 step's effect where an activation sits on an e4m3 rounding edge."""
+    weight = model.embed_tokens.weight.value
+    worst = 0.0
+    for k in range(draws):
+        noisy = nnx.clone(model)
+        noise = 2e-7 * jax.random.normal(jax.random.key(seed + 1 + k), weight.shape)
+        noisy.embed_tokens.weight.value = weight * (1 + noise)
+        moved = noisy(ids)
+        worst = max(worst, float(jnp.linalg.norm(moved - logits) / jnp.linalg.norm(logits)))
+    return worst
+
+
 class TensorParallelTest(parameterized.TestCase):
     def setUp(self):
         super().setUp()
@@ -54,7 +69,12 @@ class TensorParallelTest(parameterized.TestCase):
 
     def test_w4a8_model_equals_single_device(self, tp=2):
         # Row-parallel layers scale their slice of each row by the whole row's amax (a pmax),
-        # so the FP8 codes are one device's and only the float32 sums' order differs.
+        # so the FP8 codes are one device's and only the float32 sums' order differs. Except
+        # when an activation lies within float32 noise of an e4m3 rounding edge: the order can
+        # flip its code by one step (seed 635456010: 4.8e-4 relative on the logits, and the same
+        # 4.8e-4 when only the embedding is perturbed by 2e-7). So the bound is the model's own
+        # sensitivity to float32-level noise, 1e-5 where it has none; a wrong amax or a missing
+        # reduction moves the logits by 1e-2 or more.
         seed = _seed()
         model = gemma4.Gemma4ForCausalLM(_config(), dtype=jnp.float32, quantize="w4a8",
                                          rngs=nnx.Rngs(seed))
@@ -62,7 +82,9 @@ class TensorParallelTest(parameterized.TestCase):
         want = model(ids)
         got = tensor.forward(model, ids, _mesh(tp))
         rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-        self.assertLess(rel, 1e-5, f"seed={seed}")
+        edge = _float32_noise_sensitivity(model, ids, want, seed)
+        self.assertLess(rel, max(1e-5, 2 * edge), f"seed={seed}, float32-noise sensitivity {edge:.1e}")
+        self.assertLess(rel, 5e-3, f"seed={seed}")
 
     def test_specs_split_weights_and_replicate_a_single_kv_head(self):
         model = gemma4.Gemma4ForCausalLM(_config(), dtype=jnp.float32, quantize="w4a8")
