@@ -40,12 +40,12 @@ def _float32_noise_sensitivity(model, ids, logits, seed, draws=8):
     """Largest relative change of `logits` when the embedding table is multiplied by 1 + 2e-7
     noise (float32-level, as a different summation order is): ~1e-7 for a smooth model, one
     FP8 step's effect where an activation sits on an e4m3 rounding edge."""
-    weight = model.embed_tokens.weight.value
+    weight = model.embed_tokens.weight[...]
     worst = 0.0
     for k in range(draws):
         noisy = nnx.clone(model)
         noise = 2e-7 * jax.random.normal(jax.random.key(seed + 1 + k), weight.shape)
-        noisy.embed_tokens.weight.value = weight * (1 + noise)
+        noisy.embed_tokens.weight[...] = weight * (1 + noise)
         moved = noisy(ids)
         worst = max(worst, float(jnp.linalg.norm(moved - logits) / jnp.linalg.norm(logits)))
     return worst
