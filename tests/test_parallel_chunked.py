@@ -195,12 +195,14 @@ class ChunkedContextParallelTest(parameterized.TestCase):
 
     @parameterized.parameters(((2,), ("seq",), "seq", None), ((2, 2), ("seq", "heads"), "seq", "heads"))
     def test_empty_cache_is_made_in_its_shards(self, shape, names, seq_axis, tp_axis):
-        # prefill's cache on a mesh: each buffer created with its cache_specs sharding (each
-        # device allocates only its part), zero, with the static fields of kv.empty's.
-        model = _model("moe", 0)
+        # prefill's cache on a mesh (sharded_chunk_step makes it): each buffer created with its
+        # cache_specs sharding (each device allocates only its part), zero, with the static
+        # fields of kv.empty's.
+        model = _model("k_eq_v", 0)
         mesh = _mesh(shape, names)
         make = functools.partial(kv.empty, model.config, 1, 24, jnp.float32, seq_layout=(2, 2))
-        cache = chunked.empty_on_mesh(make, model.config, mesh, tp_axis=tp_axis, seq_axis=seq_axis)
+        _, _, cache = chunked.sharded_chunk_step(model, nnx.state(model), make, mesh,
+                                                 tp_axis=tp_axis, seq_axis=seq_axis, segments=2)
         want = make()
         specs = chunked.cache_specs(want, model.config, seq_axis=seq_axis, tp_axis=tp_axis,
                                     tp_size=mesh.shape.get("heads", 1))
@@ -240,9 +242,9 @@ class ChunkedContextParallelTest(parameterized.TestCase):
         model = _model("k_eq_v", 0)
         graphdef, state = nnx.split(model)
         mesh, chunk = _mesh(shape, names), 24
-        cache = kv.empty(model.config, 1, 48, jnp.float32, seq_layout=(2, 2))
+        make = functools.partial(kv.empty, model.config, 1, 48, jnp.float32, seq_layout=(2, 2))
         step, state, cache = chunked.sharded_chunk_step(
-            model, state, cache, mesh, tp_axis="heads" if "heads" in names else None,
+            model, state, make, mesh, tp_axis="heads" if "heads" in names else None,
             seq_axis="seq", segments=2)
         hlo = step.lower(state, cache, jnp.zeros((1, chunk), jnp.int32), jnp.int32(chunk)) \
             .compile().as_text()

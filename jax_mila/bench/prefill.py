@@ -220,8 +220,7 @@ def _chunk_step_temp_bytes(generate, model, chunk: int, length: int, kv_cache_dt
         # A real cache, made in its shards as prefill makes it; the caller measured the peak.
         make = functools.partial(kv.empty, model.config, 1, chunked.capacity(length, devices, segments),
                                  model.dtype, full_dtype=kv_cache_dtype, seq_layout=(devices, segments))
-        cache = chunked.empty_on_mesh(make, model.config, mesh, tp_axis=None, seq_axis="seq")
-        step, state, cache = chunked.sharded_chunk_step(model, state, cache, mesh, tp_axis=None,
+        step, state, cache = chunked.sharded_chunk_step(model, state, make, mesh, tp_axis=None,
                                                         seq_axis="seq", segments=segments)
         analysis = step.lower(state, cache, ids, valid).compile().memory_analysis()
         del cache

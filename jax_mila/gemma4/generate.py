@@ -228,9 +228,9 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
         cache = make_cache()
         step = functools.partial(chunk_step_fn(model), graphdef)
     else:
-        cache = chunked.empty_on_mesh(make_cache, model.config, mesh, tp_axis=tp, seq_axis=seq)
-        step, state, cache = chunked.sharded_chunk_step(model, state, cache, mesh, tp_axis=tp,
-                                                        seq_axis=seq, segments=segments)
+        step, state, cache = chunked.sharded_chunk_step(model, state, make_cache, mesh,
+                                                        tp_axis=tp, seq_axis=seq,
+                                                        segments=segments)
     steps = range(chunks)
     if progress:
         from tqdm.auto import tqdm

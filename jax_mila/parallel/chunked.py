@@ -255,18 +255,6 @@ def cache_specs(cache, cfg, *, seq_axis: str | None, tp_axis: str | None, tp_siz
     return dataclasses.replace(cache, keys=keys, values=values, length=P())
 
 
-def empty_on_mesh(make, cfg, mesh, *, tp_axis: str | None, seq_axis: str | None):
-    """The zero KVCache that `make()` returns (jax_mila.gemma4.cache.empty), created directly
-    in its shards on `mesh` (`cache_specs`). Built whole and then placed, every position of
-    the cache would first sit on one device: on two H200s that set the fuller device's peak
-    (12B at 262K: 14.3 GiB, against 11.5 on the other)."""
-    tp_size = mesh.shape[tp_axis] if tp_axis is not None else 1
-    abstract = jax.eval_shape(make)
-    specs = cache_specs(abstract, cfg, seq_axis=seq_axis, tp_axis=tp_axis, tp_size=tp_size)
-    return jax.tree.map(lambda a, sharding: jnp.zeros(a.shape, a.dtype, device=sharding),
-                        abstract, _named(mesh, specs))
-
-
 def check_mesh(mesh, tp_axis: str | None, seq_axis: str | None):
     """(tp_axis, seq_axis) with the ones `mesh` does not have set to None; refuses a mesh
     that has neither."""
@@ -279,14 +267,18 @@ def check_mesh(mesh, tp_axis: str | None, seq_axis: str | None):
     return tp, seq
 
 
-def sharded_chunk_step(model, state, cache, mesh, *, tp_axis: str | None,
+def sharded_chunk_step(model, state, make_cache, mesh, *, tp_axis: str | None,
                        seq_axis: str | None, segments: int = DEFAULT_SEGMENTS):
-    """The chunked-prefill step over `mesh`: returns (step, state, cache) with the weights and
-    the cache placed on the mesh (weights split over `tp_axis` and replicated over
-    `seq_axis`; the cache as `cache_specs`) and step(state, cache, ids, valid) ->
-    (last logits, cache), the cache donated. With `seq_axis`, `cache` must come from
-    jax_mila.gemma4.cache.empty(..., seq_layout=(devices, segments)) and the chunk length
-    must be a multiple of the devices on that axis."""
+    """The chunked-prefill step over `mesh`: returns (step, state, cache) with the weights
+    placed on the mesh (split over `tp_axis`, replicated over `seq_axis`), the zero cache that
+    `make_cache()` describes (jax_mila.gemma4.cache.empty, never called whole) created in its
+    shards (`cache_specs`), and step(state, cache, ids, valid) -> (last logits, cache), the
+    cache donated. With `seq_axis`, the cache needs seq_layout=(devices, segments) and the
+    chunk length must be a multiple of the devices on that axis.
+
+    The cache is made shard by shard because built whole and then placed, every position of
+    it would first sit on one device: on two H200s that set the fuller device's peak (12B at
+    262K: 14.3 GiB, against 11.5 on the other)."""
     from flax import nnx  # noqa: PLC0415
 
     # The module (jax_mila.gemma4 exports a function of the same name); it imports us.
@@ -302,15 +294,17 @@ def sharded_chunk_step(model, state, cache, mesh, *, tp_axis: str | None,
                                    num_kv_heads_of_layer=lambda i: cfg.layers[i].num_kv_heads)
     else:
         specs = jax.tree.map(lambda _: P(), state)
+    abstract = jax.eval_shape(make_cache)
     if seq_axis is not None:
         check_segments(segments)
         want = (mesh.shape[seq_axis], segments)
-        if tuple(cache.seq_layout) != want:
-            raise ValueError(f"context parallel: the cache's seq_layout {cache.seq_layout} is "
-                             f"not (devices, segments) = {want}")
-    cspecs = cache_specs(cache, cfg, seq_axis=seq_axis, tp_axis=tp_axis, tp_size=tp_size)
+        if tuple(abstract.seq_layout) != want:
+            raise ValueError(f"context parallel: the cache's seq_layout {abstract.seq_layout} "
+                             f"is not (devices, segments) = {want}")
+    cspecs = cache_specs(abstract, cfg, seq_axis=seq_axis, tp_axis=tp_axis, tp_size=tp_size)
     state = jax.device_put(state, _named(mesh, specs))  # a no-op for arrays already there
-    cache = jax.device_put(cache, _named(mesh, cspecs))
+    cache = jax.tree.map(lambda a, sharding: jnp.zeros(a.shape, a.dtype, device=sharding),
+                         abstract, _named(mesh, cspecs))
     # The single-device step's compile options (generate.py: no XLA autotuning on the kernel
     # backend, whose scratch would set the peak), so one and N devices compare like for like.
     options = None if model.backend == "reference" else getattr(generate, "_NO_AUTOTUNE", None)
