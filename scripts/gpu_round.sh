@@ -57,6 +57,17 @@ run_entry() {  # entry, log, timeout
   [ $rc = 124 ] && echo "   (timed out after $3 s)" | tee -a "$2"
   return $rc
 }
+# Runs a command (from /tmp, stdin closed) in its own process group and stops the group when
+# the command ends: compute-sanitizer and ncu that crash leave their Python child running,
+# which once went on compiling into the next steps' timings. setsid keeps the background PID.
+in_own_group() {
+  (cd /tmp; exec setsid "$@") < /dev/null &
+  local pid=$!
+  wait "$pid"
+  local rc=$?
+  kill -- "-$pid" 2>/dev/null
+  return $rc
+}
 entries() { local IFS=';'; read -ra list <<< "$1"; for e in "${list[@]}"; do
   e=$(echo "$e" | sed 's/^ *//'); [ -n "$e" ] && printf '%s\n' "$e"; done; }
 
@@ -112,17 +123,12 @@ sanitize() {  # tool, op group
   # the multi-GPU group sees more than one.
   local gpus=${CUDA_VISIBLE_DEVICES:-0}
   [ "$op" = prefill_cp2 ] && gpus=${CUDA_VISIBLE_DEVICES:-0,1}
-  # Own process group (as for ncu below): a sanitizer that crashes leaves its Python child
-  # running, which once went on compiling into the next steps' timings; it is stopped here.
-  (cd /tmp; exec setsid env CUDA_VISIBLE_DEVICES=$gpus XLA_PYTHON_CLIENT_ALLOCATOR=$alloc \
-   XLA_PYTHON_CLIENT_PREALLOCATE=false \
-   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" \
-   compute-sanitizer --tool "$tool" --error-exitcode 99 "${filter[@]}" \
-     python3 "$REPO/scripts/sanitize_kernels.py" --ops "$op") > "$log" 2>&1 < /dev/null &
-  local pid=$!
-  wait "$pid"
+  in_own_group env CUDA_VISIBLE_DEVICES=$gpus XLA_PYTHON_CLIENT_ALLOCATOR=$alloc \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" \
+    compute-sanitizer --tool "$tool" --error-exitcode 99 "${filter[@]}" \
+    python3 "$REPO/scripts/sanitize_kernels.py" --ops "$op" > "$log" 2>&1
   local rc=$?
-  kill -- "-$pid" 2>/dev/null
   echo "   $tool $op: exit $rc; $(grep -h -E "ERROR SUMMARY|RACECHECK SUMMARY|^FAIL" "$log" | tr '\n' ' ')"
   return $rc
 }
@@ -148,17 +154,11 @@ for p in "${profiles[@]}"; do
   n=$((n + 1)); kernel=${p%%::*}; read -ra words <<< "${p#*::}"; envs=()
   while [[ ${words[0]} == *=* ]]; do envs+=("${words[0]}"); words=("${words[@]:1}"); done
   step "ncu $kernel: ${envs[*]} ${words[*]}"
-  # One GPU visible unless the entry says otherwise (ncu segfaulted with two visible). In its
-  # own process group (setsid keeps the background PID), so that a profiled child which
-  # outlives a crashed ncu is stopped with it and nothing else.
-  (cd /tmp; exec setsid timeout "${NCU_TIMEOUT:-150}" env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \
-     "${envs[@]}" ncu --clock-control none \
-     -k "regex:$kernel" -c 1 \
-     ${NCU_SECTIONS:---section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis} \
-     python3 "$REPO/${words[0]}" "${words[@]:1}") > "$OUT/ncu_$n.txt" 2>&1 < /dev/null &
-  ncu_pid=$!
-  wait "$ncu_pid" || echo "   ncu exit $?"
-  kill -- "-$ncu_pid" 2>/dev/null
+  # One GPU visible unless the entry says otherwise (ncu segfaulted with two visible).
+  in_own_group timeout "${NCU_TIMEOUT:-150}" env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \
+    "${envs[@]}" ncu --clock-control none -k "regex:$kernel" -c 1 \
+    ${NCU_SECTIONS:---section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis} \
+    python3 "$REPO/${words[0]}" "${words[@]:1}" > "$OUT/ncu_$n.txt" 2>&1 || echo "   ncu exit $?"
   grep -E "Duration|Throughput|Pipe|Issue Slots|Stall|Achieved Occupancy|Bank|Warp Cycles|Eligible|Registers" "$OUT/ncu_$n.txt" | head -40
 done
 
