@@ -1,5 +1,7 @@
 // W4A8 main-loop roofline on sm_90a: the wgmma_ws consumers' loop (csrc/w4a8/w4a8_sm90_ws.cu)
 // with the loads taken away, to tell whether its structure or its feeding bounds the kernel.
+// The promoted half below is a copy of the kernel's: keep the two in step. (Sharing one helper
+// changed the kernel's PTX, and no GPU run has verified that change yet.)
 // One CTA per SM, two consumer warpgroups; B (activations) is a fixed 32 KB shared-memory tile
 // in the kernel's 128-byte swizzle, A (weights) comes from registers. Per "K tile", as in the
 // kernel: 2 halves x 4 wgmma.m64n128k32 (e4m3, fp32 accumulation). Variants:
