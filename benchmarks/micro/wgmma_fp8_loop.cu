@@ -8,7 +8,7 @@
 //   chained    accumulate into one fixed accumulator, one commit and wait<1> per K tile (at
 //              most two batches in flight): the loop without promotion.
 //   promoted   per half: a fresh partial (scale-d 0), commit, wait<0>, 64 fp32 adds into the
-//              masters: the kernel's promotion (its own wgmma_promoted_half) and nothing else.
+//              masters: the kernel's promotion and nothing else.
 //   convert    promoted + the kernel's weight conversion per K tile (two 16-byte and two
 //              4-byte shared loads and word_to_e4m3, from a fixed packed tile): the kernel's
 //              consumer loop without TMA, mbarriers or a producer.
@@ -101,7 +101,19 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(int tiles, float* sink
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float part[64];
-        wgmma_promoted_half(acc, part, h, a, base, h * kHalfBytes);
+        ptx::sm90::wgmma_fence();
+        ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(
+            part, a[0], ptx::sm90::desc_k128b(base + h * kHalfBytes));
+#pragma unroll
+        for (int kb = 1; kb < kKBlocks; ++kb)
+          ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(
+              part, a[kb], ptx::sm90::desc_k128b(base + h * kHalfBytes + kb * 32));
+        ptx::sm90::wgmma_commit();
+        ptx::sm90::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 64; ++i) ptx::sm90::fence_operand(part[i]);
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[64 * h + i] += part[i];
       }
     }
 #pragma unroll

@@ -44,29 +44,6 @@ __device__ __forceinline__ void word_to_e4m3(uint32_t word, uint32_t block_exp, 
   hi = ptx::w4a8::e2m1x4_to_e4m3x4(word >> 16, lut_lo, lut_hi);
 }
 
-// One promoted n128 half of a K tile in the wgmma kernels (sm_90a): 4 wgmma.m64n128k32 over
-// the half's 128 activation rows at x_tile + x_half (K-major, 128-byte swizzle) into a fresh partial
-// (scale-d 0 on the first), wait for them, and add the partial into the fp32 masters
-// acc[64 h ..]. Hopper's FP8 wgmma accumulates at ~14 bits, so each 128-long K chain is summed
-// apart and promoted. Also the body of benchmarks/micro/wgmma_fp8_loop.cu's promoted loops.
-// `part` is the caller's scratch: never read before written (scale-d = 0 on the first wgmma).
-__device__ __forceinline__ void wgmma_promoted_half(float (&acc)[128], float (&part)[64], int h,
-                                                    const uint32_t (&a)[kKBlocks][4],
-                                                    uint32_t x_tile, uint32_t x_half) {
-  ptx::sm90::wgmma_fence();
-  ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[0], ptx::sm90::desc_k128b(x_tile + x_half));
-#pragma unroll
-  for (int kb = 1; kb < kKBlocks; ++kb)
-    ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(
-        part, a[kb], ptx::sm90::desc_k128b(x_tile + x_half + kb * 32));
-  ptx::sm90::wgmma_commit();
-  ptx::sm90::wgmma_wait<0>();
-#pragma unroll
-  for (int i = 0; i < 64; ++i) ptx::sm90::fence_operand(part[i]);
-#pragma unroll
-  for (int i = 0; i < 64; ++i) acc[64 * h + i] += part[i];
-}
-
 __device__ __forceinline__ float channel_scale(const uint8_t* channel_exp, int n, int N) {
   return n < N ? ldexpf(1.f, static_cast<int>(channel_exp[n]) - kChannelExpShift) : 0.f;
 }

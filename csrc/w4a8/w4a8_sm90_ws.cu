@@ -250,8 +250,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t sx = smem_base + s * kXStage;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
+        // The partial sum is never read before written (scale-d = 0 on the first wgmma).
         float part[64];
-        wgmma_promoted_half(acc, part, h, a, sx, h * kXHalf);
+        ptx::sm90::wgmma_fence();
+        ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(
+            part, a[0], ptx::sm90::desc_k128b(sx + h * kXHalf));
+#pragma unroll
+        for (int kb = 1; kb < kKBlocks; ++kb)
+          ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(
+              part, a[kb], ptx::sm90::desc_k128b(sx + h * kXHalf + kb * 32));
+        ptx::sm90::wgmma_commit();
+        ptx::sm90::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 64; ++i) ptx::sm90::fence_operand(part[i]);
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[64 * h + i] += part[i];
       }
 #pragma unroll
       for (int kb = 0; kb < kKBlocks; ++kb)
