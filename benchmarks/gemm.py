@@ -38,6 +38,9 @@ SHAPES = {
 }
 # Measured anchors at M=16384 (specs/anchors.md), for the table.
 XLA_FP8_SCALED_ANCHOR = {"qkv": 697, "q+k global": 740}
+# XLA's FP8 dot (jax 0.11.2, H200) never returned for these N at M=16384 (three runs, each cut
+# by a 200-300 s timeout): not timed, so the rest of the table still comes out.
+XLA_FP8_HANGS_N = {30720}
 
 
 def _time_jax(fn, args, calls, trials=7, warmup=2):
@@ -158,7 +161,10 @@ def main() -> None:
             if "xla_bf16" in anchors:
                 measure("xla_bf16", "XLA bf16",
                         lambda: _time_jax(_xla_bf16, (x, wt16), args.calls))
-            if "xla_fp8_scaled" in anchors:
+            if "xla_fp8_scaled" in anchors and n in XLA_FP8_HANGS_N:
+                print(f"  {name} M={m} XLA FP8 + scales: skipped (hangs at N={n})",
+                      file=sys.stderr, flush=True)
+            elif "xla_fp8_scaled" in anchors:
                 measure("xla_fp8_scaled", "XLA FP8 + scales",
                         lambda: _time_jax(_xla_fp8_scaled, (xq, xs, w8, ws), args.calls))
             tfn = _torch_scaled_mm(xq, xs, w8, ws) if "torch_scaled_mm" in anchors else None

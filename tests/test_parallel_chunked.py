@@ -7,6 +7,7 @@ segments), KV-shared / PLE / MoE layers, and a seq x heads mesh."""
 
 import functools
 import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -112,7 +113,7 @@ class ChunkedContextParallelTest(parameterized.TestCase):
         name=tuple(CONFIGS), devices=(2, 4),
         # (prompt, chunk, max_cache_len, segments per device): a padded last chunk, a chunk
         # longer than the prompt, a cache far longer than the prompt (most segments empty),
-        # a full cache of 8 segments per device (two merge groups, both holding keys).
+        # a full cache of 8 segments per device (eight running merges, all holding keys).
         case=((13, 4, None, 2), (13, 8, 40, 4), (6, 8, None, 2), (21, 12, 64, 8),
               (30, 8, None, 8)))
     def test_equals_single_device_prefill(self, name, devices, case):
@@ -135,6 +136,34 @@ class ChunkedContextParallelTest(parameterized.TestCase):
                 shards = {s.data.shape[1] for s in k.addressable_shards}
                 self.assertEqual(shards, {cache.max_len // devices})
         _assert_same_cache(self, cache, want_cache, seed)
+
+    @parameterized.parameters(0, 1, 3, 8)
+    def test_merge_groups_agree(self, group):
+        # chunked.MERGE_GROUP: the loop over the segments (0, the default; the other tests run
+        # it), one segment at a time behind barriers (1), uneven groups (3 of 8) and one group
+        # of all (8) give the single-device result (the last merge weights by the total over
+        # the devices); each group after the first starts behind an optimization barrier
+        # (XLA:GPU schedules around it), the loop needs none.
+        seed = _seed()
+        model = _model("moe", seed)
+        ids = _ids(seed, 30, model.config.vocab_size)
+        want, want_cache = gemma4.prefill(model, ids, chunk_size=8)
+        with mock.patch.object(chunked, "MERGE_GROUP", group), \
+                mock.patch.dict(chunked._STEPS, clear=True):  # steps traced with this group
+            got, cache = gemma4.prefill(model, ids, chunk_size=8, mesh=_mesh(2), seq_segments=8)
+            graphdef, state = nnx.split(model)
+            make = functools.partial(kv.empty, model.config, 2, 32, jnp.float32,
+                                     seq_layout=(2, 8))
+            step, state, empty = chunked.sharded_chunk_step(model, state, make, _mesh(2),
+                                                            tp_axis=None, seq_axis="seq",
+                                                            segments=8)
+            text = step.lower(state, empty, jnp.zeros((2, 8), jnp.int32), jnp.int32(8)).as_text()
+        _assert_close_logits(self, got, want, seed)
+        _assert_same_cache(self, cache, want_cache, seed)
+        full = sum(not s.is_sliding for s in model.config.layers)
+        barriers = 0 if group == 0 else full * (-(-8 // group) - 1)
+        self.assertLen(re.findall(r"optimization_barrier", text), barriers, f"group={group}")
+        self.assertLen(re.findall(r"stablehlo\.while", text), full if group == 0 else 0)
 
     def test_default_chunk_is_rounded_up_to_the_devices(self):
         # No chunk_size: a prompt shorter than the default chunk runs as one chunk of its own

@@ -1,17 +1,22 @@
 // W4A8 main-loop roofline on sm_90a: the wgmma_ws consumers' loop (csrc/w4a8/w4a8_sm90_ws.cu)
 // with the loads taken away, to tell whether its structure or its feeding bounds the kernel.
-// The promoted half below is a copy of the kernel's: keep the two in step. (Sharing one helper
-// changed the kernel's PTX, and no GPU run has verified that change yet.)
+// The chain256 variant below is a copy of the kernel's consumer loop: keep the two in step.
 // One CTA per SM, two consumer warpgroups; B (activations) is a fixed 32 KB shared-memory tile
 // in the kernel's 128-byte swizzle, A (weights) comes from registers. Per "K tile", as in the
-// kernel: 2 halves x 4 wgmma.m64n128k32 (e4m3, fp32 accumulation). Variants:
-//   chained    accumulate into one fixed accumulator, one commit and wait<1> per K tile (at
-//              most two batches in flight): the loop without promotion.
-//   promoted   per half: a fresh partial (scale-d 0), commit, wait<0>, 64 fp32 adds into the
-//              masters: the kernel's promotion and nothing else.
+// kernel: 64 x 256 x 128 per warpgroup (e4m3, fp32 accumulation). Variants:
+//   chained    2 halves x 4 wgmma.m64n128k32 into one fixed accumulator, one commit and
+//              wait<1> per K tile (at most two batches in flight): the loop without promotion.
+//   promoted   per n128 half: a fresh partial (scale-d 0), commit, wait<0>, 64 fp32 adds into
+//              the masters: the kernel's promotion until 2026-11-30.
 //   convert    promoted + the kernel's weight conversion per K tile (two 16-byte and two
 //              4-byte shared loads and word_to_e4m3, from a fixed packed tile): the kernel's
-//              consumer loop without TMA, mbarriers or a producer.
+//              consumer loop until 2026-11-30, without TMA, mbarriers or a producer.
+//   pipelined  convert, then four n64 quarters (4 wgmma.m64n64k32 each) in two partial sums:
+//              quarter j runs while quarter j - 1 is added (wait<1>); wait<0> at the end of
+//              the K tile (tried in the kernel on 2026-11-30: no faster).
+//   chain256   convert two K tiles, then per n128 half 8 wgmmas (a 256-long chain) into a
+//              fresh partial, wait<0>, add: the kernel's consumer loop now, without TMA,
+//              mbarriers or a producer (the tile count must be even).
 // Prints one line per variant: TFLOP/s over all SMs (values are not checked: not a test).
 //
 //   nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -DMILA_HAS_SM90A -I csrc \
@@ -28,8 +33,8 @@
 
 namespace mila::bench {
 
-enum Variant : int { kChained = 0, kPromoted = 1, kConvert = 2 };
-const char* const kNames[] = {"chained", "promoted", "convert"};
+enum Variant : int { kChained = 0, kPromoted = 1, kConvert = 2, kPipelined = 3, kChain2 = 4 };
+const char* const kNames[] = {"chained", "promoted", "convert", "pipelined", "chain256"};
 
 constexpr int kThreads = 256;          // two consumer warpgroups
 constexpr int kHalfBytes = 128 * 128;  // 128 activation rows x 128 K bytes: one n128 half
@@ -38,6 +43,14 @@ constexpr int kWBytes = 128 * kPackedTile;  // packed weight rows of one K tile
 constexpr int kEBytes = 128 * kKBlocks;     // their block exponents
 constexpr int kSmemBytes = kXBytes + kWBytes + kEBytes + 1024;  // + alignment slack
 constexpr double kFlopPerTile = 2.0 * 4 * 2 * 64.0 * 128 * 32 * 2;  // 2 WG x 2 halves x 4 wgmma
+
+// pipelined: a retired n64 partial into quarter j of the masters.
+__device__ __forceinline__ void add_quarter(float (&part)[32], float (&acc)[128], int j) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) ptx::sm90::fence_operand(part[i]);
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc[32 * j + i] += part[i];
+}
 
 template <int kVariant>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(int tiles, float* sink) {
@@ -68,21 +81,59 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(int tiles, float* sink
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.f;
 
-  for (int t = 0; t < tiles; ++t) {
-    if constexpr (kVariant == kConvert) {
+  // The kernel's conversion of this thread's two weight rows of one K tile (fixed tile here).
+  auto convert = [&](uint32_t (&frag)[kKBlocks][4]) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = wrow0 + 8 * h;
-        const uint4 v = *reinterpret_cast<const uint4*>(smem + kXBytes + row * kPackedTile + q * 16);
-        const uint32_t exps = *reinterpret_cast<const uint32_t*>(smem + kXBytes + kWBytes +
-                                                                 row * kKBlocks);
+    for (int h = 0; h < 2; ++h) {
+      const int row = wrow0 + 8 * h;
+      const uint4 v = *reinterpret_cast<const uint4*>(smem + kXBytes + row * kPackedTile + q * 16);
+      const uint32_t exps = *reinterpret_cast<const uint32_t*>(smem + kXBytes + kWBytes +
+                                                               row * kKBlocks);
 #pragma unroll
-        for (int kb = 0; kb < kKBlocks; ++kb) {
-          const uint32_t word = kb == 0 ? v.x : kb == 1 ? v.y : kb == 2 ? v.z : v.w;
-          word_to_e4m3(word, (exps >> (8 * kb)) & 0xFFu, lut, a[kb][h], a[kb][2 + h]);
-        }
+      for (int kb = 0; kb < kKBlocks; ++kb) {
+        const uint32_t word = kb == 0 ? v.x : kb == 1 ? v.y : kb == 2 ? v.z : v.w;
+        word_to_e4m3(word, (exps >> (8 * kb)) & 0xFFu, lut, frag[kb][h], frag[kb][2 + h]);
       }
     }
+  };
+
+  for (int t = 0; t < tiles; ++t) {
+    if constexpr (kVariant == kChain2) {
+      // Two K tiles per iteration (t advances twice), each converted into its own fragments.
+      uint32_t a2[2][kKBlocks][4];
+      convert(a2[0]);
+      convert(a2[1]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float part[64];
+        ptx::sm90::wgmma_fence();
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+#pragma unroll
+          for (int kb = 0; kb < kKBlocks; ++kb) {
+            const uint64_t desc = ptx::sm90::desc_k128b(base + h * kHalfBytes + kb * 32);
+            if (c == 0 && kb == 0)
+              ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a2[c][kb], desc);
+            else
+              ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a2[c][kb], desc);
+          }
+        ptx::sm90::wgmma_commit();
+        ptx::sm90::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 64; ++i) ptx::sm90::fence_operand(part[i]);
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[64 * h + i] += part[i];
+      }
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int kb = 0; kb < kKBlocks; ++kb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ptx::sm90::fence_operand(a2[c][kb][e]);
+      ++t;
+      continue;
+    }
+    if constexpr (kVariant == kConvert || kVariant == kPipelined) convert(a);
     if constexpr (kVariant == kChained) {
       // Both halves into one accumulator (the sums are meaningless; the tensor work is the
       // kernel's): two accumulators with two batches in flight made ptxas serialize the
@@ -97,6 +148,25 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(int tiles, float* sink
               chain, a[kb], ptx::sm90::desc_k128b(base + h * kHalfBytes + kb * 32));
       ptx::sm90::wgmma_commit();
       ptx::sm90::wgmma_wait<1>();
+    } else if constexpr (kVariant == kPipelined) {
+      float part[2][32];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float(&p)[32] = part[j % 2];
+        ptx::sm90::wgmma_fence();
+        ptx::w4a8::wgmma_m64n64k32_e4m3_rs<false>(p, a[0], ptx::sm90::desc_k128b(base + j * 8192));
+#pragma unroll
+        for (int kb = 1; kb < kKBlocks; ++kb)
+          ptx::w4a8::wgmma_m64n64k32_e4m3_rs<true>(
+              p, a[kb], ptx::sm90::desc_k128b(base + j * 8192 + kb * 32));
+        ptx::sm90::wgmma_commit();
+        if (j > 0) {
+          ptx::sm90::wgmma_wait<1>();
+          add_quarter(part[(j - 1) % 2], acc, j - 1);
+        }
+      }
+      ptx::sm90::wgmma_wait<0>();
+      add_quarter(part[1], acc, 3);
     } else {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -152,6 +222,10 @@ float time_ms(int blocks, int tiles, float* sink, cudaEvent_t start, cudaEvent_t
 int main(int argc, char** argv) {
   using namespace mila::bench;
   const int tiles = argc > 1 ? std::atoi(argv[1]) : 4096;
+  if (tiles < 2 || tiles % 2 != 0) {  // chain256 runs two K tiles per iteration
+    std::printf("tiles must be an even number >= 2, got %d\n", tiles);
+    return 2;
+  }
   int device = 0, sms = 0, major = 0, minor = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
@@ -168,14 +242,16 @@ int main(int argc, char** argv) {
   cudaEventCreate(&stop);
   const float ms[] = {time_ms<kChained>(sms, tiles, sink, start, stop),
                       time_ms<kPromoted>(sms, tiles, sink, start, stop),
-                      time_ms<kConvert>(sms, tiles, sink, start, stop)};
+                      time_ms<kConvert>(sms, tiles, sink, start, stop),
+                      time_ms<kPipelined>(sms, tiles, sink, start, stop),
+                      time_ms<kChain2>(sms, tiles, sink, start, stop)};
   const cudaError_t err = cudaDeviceSynchronize();
   if (err != cudaSuccess) {
     std::printf("CUDA error: %s\n", cudaGetErrorString(err));
     return 1;
   }
   std::printf("| variant | ms | TFLOP/s |\n|---|---|---|\n");
-  for (int v = 0; v < 3; ++v)
+  for (int v = 0; v < 5; ++v)
     std::printf("| %s | %.3f | %.0f |\n", kNames[v], ms[v],
                 kFlopPerTile * sms * tiles / (ms[v] * 1e-3) / 1e12);
   cudaFree(sink);

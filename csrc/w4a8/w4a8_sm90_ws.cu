@@ -1,45 +1,56 @@
-// Warp-specialized W4A8 GEMM for sm_90a (variant kWgmmaWs, kernel="wgmma_ws"). Same math,
-// operand roles and promotion as w4a8.cu's `wg` kernel (y^T tiles: converted weights are the
-// register A operand of wgmma.m64n128k32, activations the shared-memory B operand; every
-// 128-long K chain is summed in a fresh accumulator and added into fp32 master registers), with
-// the data movement taken off the math warps:
+// Warp-specialized W4A8 GEMM for sm_90a (variant kWgmmaWs, kernel="wgmma_ws"). Same math and
+// operand roles as w4a8.cu's `wg` kernel (y^T tiles: converted weights are the register A
+// operand of wgmma.m64n128k32, activations the shared-memory B operand; FP8 sums are promoted
+// into fp32 master registers), with the data movement taken off the math warps:
 //
-//   * warpgroup 0, the producer (setmaxnreg.dec to 40 registers): one thread issues two TMA
+//   * warpgroup 0, the producer (setmaxnreg.dec to 24 registers): one thread issues two TMA
 //     loads per K tile (activations 256 x 128 B with the 128-byte swizzle that the wgmma
-//     descriptor expects; packed weights 128 x 64 B, unswizzled) into a 4-stage ring of
+//     descriptor expects; packed weights 128 x 64 B, unswizzled) into a 5-stage ring of
 //     full/empty mbarriers; the 32 lanes of its first warp copy the tile's block exponents
 //     (4 bytes per weight row: TMA cannot take them, the K/32-byte row stride is not a multiple
 //     of 16) with cp.async and arrive on the stage's full barrier when their copies land
 //     (cp.async.mbarrier.arrive). The other three producer warps exit at once (one polling warp
 //     per SM sub-partition would take issue slots from the consumers). Before exiting, the
 //     first warp waits until the consumers have released the last stages (producer tail).
-//   * warpgroups 1 and 2, the consumers (setmaxnreg.inc to 232): weight rows 64 w .. 64 w + 63
-//     of the tile each, all 256 activation rows. Per K tile: wait full, convert the two weight
-//     rows of each thread from shared memory into e4m3 A fragments, two promoted n128 halves
-//     (4 wgmma each, wait, add into the masters), arrive on the stage's empty barrier. The two
-//     warpgroups are not synchronized with each other: while one waits for its batch and adds,
-//     the other's batch runs on the tensor cores.
+//   * warpgroups 1 and 2, the consumers (setmaxnreg.inc to 240): weight rows 64 w .. 64 w + 63
+//     of the tile each, all 256 activation rows. Per promotion chain of two K tiles (256 long):
+//     wait for both stages, convert each thread's two weight rows of both into e4m3 A
+//     fragments, then per n128 half of the activation rows 8 wgmmas into a fresh partial sum,
+//     wait, add it into the masters; release both stages. The two warpgroups are not
+//     synchronized with each other: while one drains and adds, the other's batch runs.
+//     Why two tiles per chain: a warpgroup's drain-add-reissue turnaround (~400 cycles) was
+//     longer than the other warpgroup's 4-wgmma batch (~256 cycles at full rate), so the tensor
+//     cores idled: benchmarks/wgmma_loop.py ran the loop at 1,437 TFLOP/s promoted per K tile
+//     against 1,943 unpromoted, and n64 batches with one in flight during the adds (same work
+//     queued) did not help (1,321 with conversion, against 1,341).
 //   * persistent: grid = min(#SMs, tiles), tile t = blockIdx.x + i * gridDim.x in the grouped
 //     raster of w4a8_convert.cuh (8 M tiles per N tile: the weight tile and the group's
 //     activation tiles are reused from L2). The producer runs ahead into the next tile's stages
 //     while the consumers store the previous tile, so the epilogue overlaps the loads.
 //   * epilogue: x_scale[m] * 2^(channel_exp - 133), bf16 rounding, staged per warpgroup through
-//     its own 128 x 64 shared buffer (two passes of 128 activation rows; named barrier of the
+//     its own 64 x 64 shared buffer (four passes of 64 activation rows; named barrier of the
 //     warpgroup only), 16-byte row-contiguous stores; rows >= M and columns >= N are not stored.
 //     float32 output: direct stores (8 lanes write 32 contiguous bytes).
 //   * every mbarrier wait traps after 20 s (MILA_W4A8_WS_WATCHDOG_NS): a protocol bug fails the
 //     launch instead of hanging the GPU.
 //
-// Tile choice: 128 weight rows x 256 activation rows x 128 K. Consumer registers: masters
-// m64 x n256 fp32 = 128, one n128 partial = 64, A fragments 16, row tables 4, addresses: ~220 of
-// the 232 that setmaxnreg gives (2 x 128 x 232 + 128 x 40 = 64,512 <= 65,536). A second partial
-// (to keep two batches in flight per warpgroup) would need 256. Shared memory per stage:
-// 32 KiB activations + 8 KiB packed weights + 512 B exponents = 40.5 KiB; 4 stages (162 KiB) +
-// 2 x 18 KiB epilogue buffers + barriers = 199 KiB (5 stages would need 239 KiB > 227 KiB).
-// At ~1 us of tensor-core work per stage, 4 stages cover 3-4 us of load latency.
+// Accuracy: FP8 wgmma accumulates at ~14 bits (truncated), so the error grows with the chain
+// length; 256-long chains against the 128 of w4a8.cu's `wg` (tests/test_w4a8.py holds both to
+// 4e-4 relative Frobenius at K = 15360; unpromoted: 1.6e-3).
 //
-// Sizes: K % 128 == 0, N % 8 == 0 (weight rows past N: TMA zero-fill -> zero weights; exponents
-// zero-filled by cp.async), any M >= 1 (rows past M: TMA zero-fill, never stored), M < 2^31.
+// Tile choice: 128 weight rows x 256 activation rows x 128 K per stage. Consumer registers:
+// masters m64 x n256 fp32 = 128, one n128 partial = 64, A fragments of two K tiles 32, row
+// tables 4, addresses: ptxas fits the 240 that setmaxnreg gives without spills (232 spilled),
+// and the producer warp fits 24 with 32-bit exponent offsets and an incremental stage/phase.
+// setmaxnreg only moves registers within the CTA's launch allocation (168 x 384 = 64,512):
+// 2 x 128 x 240 + 128 x 24 = 64,512 (with 32 for the producer the consumers' setmaxnreg.inc
+// waited forever). Shared memory per stage: 32 KiB activations + 8 KiB packed weights + 512 B
+// exponents = 40.5 KiB; 5 stages (202.5 KiB, so that the producer stays 3 stages ahead of the
+// two a chain holds) + 2 x 9 KiB epilogue buffers + barriers = 223.6 KiB of the 227.
+//
+// Sizes: K % 128 == 0 (an odd number of K tiles ends with a one-tile chain), N % 8 == 0 (weight
+// rows past N: TMA zero-fill -> zero weights; exponents zero-filled by cp.async), any M >= 1
+// (rows past M: TMA zero-fill, never stored), M < 2^31, N x K/32 < 2^31.
 
 #include <algorithm>
 #include <cmath>
@@ -57,12 +68,13 @@ namespace ws {
 
 constexpr int kBN = 128;     // weight rows per tile (2 consumer warpgroups x 64)
 constexpr int kBM = 256;     // activation rows per tile
-constexpr int kHalfM = 128;  // activation rows per wgmma (n128) and per promotion
-constexpr int kStages = 4;
+constexpr int kHalfM = 128;  // activation rows per wgmma (n128)
+constexpr int kChainTiles = 2;  // K tiles per promotion chain (256 long)
+constexpr int kStages = 5;
 constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int kConsumerThreads = 256;
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
 constexpr int kXStage = kBM * kBK;          // 32 KiB, 1024-byte aligned (128B swizzle atoms)
 constexpr int kXHalf = kHalfM * kBK;        // activation row 128 (1024-byte aligned)
 constexpr int kWStage = kBN * kPackedTile;  // 8 KiB
@@ -70,7 +82,7 @@ constexpr int kEStage = kBN * kKBlocks;     // 512 B
 constexpr int kWOffset = kStages * kXStage;
 constexpr int kEOffset = kWOffset + kStages * kWStage;
 constexpr int kOutOffset = kEOffset + kStages * kEStage;
-constexpr int kOutRows = 128;               // activation rows per epilogue pass
+constexpr int kOutRows = 64;                // activation rows per epilogue pass
 constexpr int kOutPitch = 64 + 8;           // bf16 per staged row: conflict-free writes
 constexpr int kOutBytes = kOutRows * kOutPitch * 2;  // one consumer warpgroup's buffer
 // x_scale of the tile's 256 rows, per consumer warpgroup: read from shared memory in the
@@ -82,6 +94,9 @@ constexpr uint32_t kTxBytes = kXStage + kWStage;  // TMA bytes per stage (OOB fi
 constexpr uint32_t kFullArrivals = 1 + 32;  // expect_tx arrive + one cp.async arrive per lane
 constexpr int kGroupM = 8;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+static_assert(kConsumerThreads * kConsumerRegs + (kThreads - kConsumerThreads) * kProducerRegs <=
+                  65536 / kThreads / 8 * 8 * kThreads,
+              "setmaxnreg redistributes only the registers the CTA was launched with");
 static_assert(kOutBytes % 16 == 0 && kBarOffset % 8 == 0, "alignment");
 
 // ---- PTX (sm_90a) ---------------------------------------------------------------------------
@@ -117,6 +132,17 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   }
 }
 
+// Stage and parity of a pipeline step.
+struct RingPos {
+  uint32_t stage = 0, phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
 // ---- kernel ---------------------------------------------------------------------------------
 
 template <typename OutT>
@@ -149,22 +175,26 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  // Stage of pipeline step `it` (one K tile of one output tile, counted over the CTA's whole
-  // tile sequence, identically by producer and consumers): it % kStages, pass (it / kStages).
+  // Pipeline steps (one K tile of one output tile each) are counted over the CTA's whole tile
+  // sequence, identically by producer and consumers: step i uses stage i % kStages in pass
+  // i / kStages, tracked incrementally by a RingPos (kStages = 5 makes % and / cost registers).
   if (tid < 128) {
     // ---------------- producer ----------------
     ptx::sm90::setmaxnreg_dec<kProducerRegs>();
     if (tid >= 32) return;
-    uint32_t it = 0;
+    RingPos pos;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       int tm, tn;
       tile_coords(tile, tiles_m, tiles_n, kGroupM, tm, tn);
       const int n0 = tn * kBN;
-      for (int kt = 0; kt < kt_count; ++kt, ++it) {
-        const uint32_t s = it % kStages;
+      // Byte offset of this lane's first exponent row of the tile (rows tid + 32 i below;
+      // 32-bit: the launcher refuses N * K / 32 >= 2^31, and the producer has 24 registers).
+      const uint32_t lane_scales = static_cast<uint32_t>(n0 + tid) * static_cast<uint32_t>(K / 32);
+      for (int kt = 0; kt < kt_count; ++kt, pos.advance()) {
+        const uint32_t s = pos.stage;
         // A fresh barrier counts as having completed the pass before pass 0 (parity 1), so the
         // first kStages waits return at once.
-        mbar_wait(empty_bar + 8 * s, ((it / kStages) & 1) ^ 1);
+        mbar_wait(empty_bar + 8 * s, pos.phase ^ 1);
         const uint32_t fb = full_bar + 8 * s;
         if (tid == 0) {
           ptx::sm90::mbar_arrive_expect_tx(fb, kTxBytes);
@@ -177,8 +207,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int i = 0; i < kBN / 32; ++i) {
           const int row = tid + 32 * i;
           const bool valid = n0 + row < N;
-          const int64_t offset = static_cast<int64_t>(n0 + row) * (K / 32) + kt * kKBlocks;
-          const uint8_t* src = args.scales + (valid ? offset : 0);
+          const uint8_t* src =
+              args.scales + (valid ? lane_scales + 32u * i * (K / 32) + kt * kKBlocks : 0u);
           ptx::w4a8::cp_async_4(smem_base + kEOffset + s * kEStage + row * kKBlocks, src, valid);
         }
         ptx::sm90::cp_async_mbar_arrive(fb);
@@ -190,8 +220,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // cp.async arrive-ons landed) before the issuing threads exit; cannot hang, since the
     // consumers release every step they wait for.
 #pragma unroll 1
-    for (int j = 0; j < kStages; ++j, ++it)
-      mbar_wait(empty_bar + 8 * (it % kStages), ((it / kStages) & 1) ^ 1);
+    for (int j = 0; j < kStages; ++j, pos.advance())
+      mbar_wait(empty_bar + 8 * pos.stage, pos.phase ^ 1);
     // Uncommitted cp.async belong to no group: commit, then wait, before the threads exit.
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
@@ -206,7 +236,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int g = lane / 4, q = lane % 4;
   const int wrow0 = cw * 64 + wwarp * 16 + g;  // tile-local weight rows wrow0, wrow0 + 8
 
-  uint32_t it = 0;
+  RingPos pos;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     int tm, tn;
     tile_coords(tile, tiles_m, tiles_n, kGroupM, tm, tn);
@@ -242,23 +272,38 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
 
-    for (int kt = 0; kt < kt_count; ++kt, ++it) {
-      const uint32_t s = it % kStages;
-      mbar_wait(full_bar + 8 * s, (it / kStages) & 1);
-      uint32_t a[kKBlocks][4];
-      convert(s, a);
-      const uint32_t sx = smem_base + s * kXStage;
+    // One promotion chain: kChain consecutive K tiles (the next kChain steps), per n128 half of
+    // the activation rows 4 kChain wgmmas into a fresh partial sum, waited for and added into
+    // the masters. Two tiles per chain halve the waits and adds per wgmma: the tensor cores
+    // idle while a warpgroup drains, adds and reissues, and a 4-wgmma batch (~256 cycles) of
+    // the other warpgroup did not cover that (benchmarks/wgmma_loop.py: 1,437 TFLOP/s promoted
+    // per tile against 1,943 unpromoted).
+    auto chain = [&](auto tiles_in_chain) {
+      constexpr int kChain = decltype(tiles_in_chain)::value;
+      uint32_t a[kChain][kKBlocks][4];
+      uint32_t st[kChain], sx[kChain];
+#pragma unroll
+      for (int c = 0; c < kChain; ++c, pos.advance()) {
+        st[c] = pos.stage;
+        mbar_wait(full_bar + 8 * st[c], pos.phase);
+        convert(st[c], a[c]);
+        sx[c] = smem_base + st[c] * kXStage;
+      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         // The partial sum is never read before written (scale-d = 0 on the first wgmma).
         float part[64];
         ptx::sm90::wgmma_fence();
-        ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(
-            part, a[0], ptx::sm90::desc_k128b(sx + h * kXHalf));
 #pragma unroll
-        for (int kb = 1; kb < kKBlocks; ++kb)
-          ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(
-              part, a[kb], ptx::sm90::desc_k128b(sx + h * kXHalf + kb * 32));
+        for (int c = 0; c < kChain; ++c)
+#pragma unroll
+          for (int kb = 0; kb < kKBlocks; ++kb) {
+            const uint64_t desc = ptx::sm90::desc_k128b(sx[c] + h * kXHalf + kb * 32);
+            if (c == 0 && kb == 0)
+              ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[c][kb], desc);
+            else
+              ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a[c][kb], desc);
+          }
         ptx::sm90::wgmma_commit();
         ptx::sm90::wgmma_wait<0>();
 #pragma unroll
@@ -267,12 +312,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int i = 0; i < 64; ++i) acc[64 * h + i] += part[i];
       }
 #pragma unroll
-      for (int kb = 0; kb < kKBlocks; ++kb)
+      for (int c = 0; c < kChain; ++c) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) ptx::sm90::fence_operand(a[kb][e]);
-      // Both batches retired and the packed rows were read above: the stage may be refilled.
-      ptx::sm90::mbar_arrive(empty_bar + 8 * s);
-    }
+        for (int kb = 0; kb < kKBlocks; ++kb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ptx::sm90::fence_operand(a[c][kb][e]);
+        // Both batches retired and the packed rows were read above: the stage may be refilled.
+        ptx::sm90::mbar_arrive(empty_bar + 8 * st[c]);
+      }
+    };
+    int kt = 0;
+    for (; kt + kChainTiles <= kt_count; kt += kChainTiles)
+      chain(std::integral_constant<int, kChainTiles>{});
+    for (; kt < kt_count; ++kt) chain(std::integral_constant<int, 1>{});  // odd K / 128
 
     // Epilogue: acc[4j + e] = y^T[weight row wrow0 (+8 if e >= 2)][activation row 8j + 2q
     // (+1 if e odd)].
@@ -353,6 +405,10 @@ cudaError_t LaunchTyped(const W4A8Args& args, cudaStream_t stream) {
   if (args.m > INT32_MAX - kBM) return cudaErrorInvalidConfiguration;
   const int64_t tiles = ((args.m + kBM - 1) / kBM) * ((args.n + kBN - 1) / kBN);
   if (tiles > INT32_MAX) return cudaErrorInvalidConfiguration;
+  // The producer addresses block exponents with 32-bit offsets (N x K/32 bytes: 32 GiB of
+  // packed weights before this matters).
+  if (static_cast<int64_t>(args.n) * (args.k / 32) > INT32_MAX)
+    return cudaErrorInvalidConfiguration;
   CUtensorMap tmap_x, tmap_w;
   cudaError_t err = EncodeMap(&tmap_x, args.x, static_cast<uint64_t>(args.m),
                               static_cast<uint64_t>(args.k), kBM, kBK,

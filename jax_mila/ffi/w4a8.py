@@ -18,10 +18,11 @@ consumer warpgroups, persistent tile scheduling; csrc/w4a8/w4a8_sm90_ws.cu). "au
 wgmma_ws on compute capability 9.0 when this build has sm_90a code (JAX_MILA_CUDA_ARCHS includes
 90a, the default), mma_sync otherwise; ``auto_kernel()`` says which one for this process
 (AUTO_WGMMA_ON_SM90 = False turns the wgmma choice off). Hopper's FP8 wgmma accumulates at
-reduced precision (~14 bits, truncated); both wgmma kernels therefore sum every 128-long K chunk
-in a fresh accumulator and adds it into float32 registers (DeepGEMM-style promotion), so the
-error no longer grows with K: relative Frobenius error ~1e-4 at any K (unpromoted it was 1.6e-3
-at K=15360), against < 1e-5 for mma_sync's float32 accumulation. The FP8 product rounding inside
+reduced precision (~14 bits, truncated); both wgmma kernels therefore sum every K chunk (128
+long in wgmma, 256 in wgmma_ws) in a fresh accumulator and add it into float32 registers
+(DeepGEMM-style promotion), so the error no longer grows with K: relative Frobenius error
+~1e-4 at any K (unpromoted it was 1.6e-3 at K=15360), against < 1e-5 for mma_sync's float32
+accumulation. The FP8 product rounding inside
 one wgmma cannot be promoted away.
 
 Where it runs: the CUDA kernel needs FP8 mma (compute capability >= 8.9). On sm_80 GPUs the
