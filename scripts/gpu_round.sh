@@ -179,4 +179,7 @@ grep -h -E "OK|MISMATCH|ERROR|NOT AVAILABLE" "$OUT/selftest.log"
 grep -h "^|" "$OUT/bench.log" "$OUT/side.log" "$OUT/multi.log" 2>/dev/null
 # Bundle the logs: some runners bring back only a few files from $OUT.
 (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz -- *.log *.txt *.json 2>/dev/null)
+# XLA dumps, e.g. from an entry "XLA_FLAGS=--xla_dump_to=$OUT/xla benchmarks/prefill.py ..." (one
+# flag: entries split on spaces), for scripts/xla_live_buffers.py.
+[ -d "$OUT/xla" ] && (cd "$OUT" && tar czf xla.tgz xla && rm -rf xla)
 exit $status
