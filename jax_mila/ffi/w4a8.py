@@ -22,8 +22,7 @@ reduced precision (~14 bits, truncated); both wgmma kernels therefore sum every 
 long in wgmma, 256 in wgmma_ws) in a fresh accumulator and add it into float32 registers
 (DeepGEMM-style promotion), so the error no longer grows with K: relative Frobenius error
 ~1e-4 at any K (unpromoted it was 1.6e-3 at K=15360), against < 1e-5 for mma_sync's float32
-accumulation. The FP8 product rounding inside
-one wgmma cannot be promoted away.
+accumulation. The FP8 product rounding inside one wgmma cannot be promoted away.
 
 Where it runs: the CUDA kernel needs FP8 mma (compute capability >= 8.9). On sm_80 GPUs the
 wrapper routes to the pure-JAX reference (jax_mila.reference.w4a8_matmul), as it does on CPU,

@@ -17,9 +17,9 @@ queries to each of its segments with the single-device kernel (one call per segm
 positions through q_offset / kv_offset, causal: unfilled slots lie after every query and
 future segments cost only skipped tiles; an empty segment returns zeros with lse -inf). The
 partial results are merged exactly by their log-sum-exp into a running float32 result, segment
-by segment in a while loop (MERGE_GROUP), the last merge weighting every part by its share of the total over
-all devices (an all-gather of [P, B, H, C] floats: exp(lse_part - lse_total)), and one
-psum_scatter leaves each device the rows of its own C / P queries.
+by segment in a while loop (MERGE_GROUP), the last merge weighting every part by its share of
+the total over all devices (an all-gather of [P, B, H, C] floats: exp(lse_part - lse_total)),
+and one psum_scatter leaves each device the rows of its own C / P queries.
 
 Sliding-window layers. The ring of the last W positions is small and kept replicated: the
 chunk's K/V are all-gathered, every device applies the same ring update
