@@ -177,9 +177,15 @@ grep -h -E "[0-9]+ (passed|failed)" "$OUT"/tests.log 2>/dev/null | tail -1
 for f in "$OUT"/sanitize_*.log; do [ -e "$f" ] && echo "$(basename "$f" .log): $(grep -h -E "ERROR SUMMARY|RACECHECK SUMMARY|^FAIL" "$f" | tr '\n' ' ')"; done
 grep -h -E "OK|MISMATCH|ERROR|NOT AVAILABLE" "$OUT/selftest.log"
 grep -h "^|" "$OUT/bench.log" "$OUT/side.log" "$OUT/multi.log" 2>/dev/null
+# XLA dumps, e.g. from an entry "XLA_FLAGS=--xla_dump_to=$OUT/xla benchmarks/prefill.py ..." (one
+# flag: entries split on spaces): what is alive at the peak of each chunk step (xla_live.txt),
+# and the dump itself as xla.tgz.
+if [ -d "$OUT/xla" ]; then
+  for module in jit_body jit__chunk_step; do
+    python3 "$REPO/scripts/xla_live_buffers.py" "$OUT/xla" --module "$module" >> "$OUT/xla_live.txt" 2>&1
+  done
+  (cd "$OUT" && tar czf xla.tgz xla && rm -rf xla)
+fi
 # Bundle the logs: some runners bring back only a few files from $OUT.
 (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz -- *.log *.txt *.json 2>/dev/null)
-# XLA dumps, e.g. from an entry "XLA_FLAGS=--xla_dump_to=$OUT/xla benchmarks/prefill.py ..." (one
-# flag: entries split on spaces), for scripts/xla_live_buffers.py.
-[ -d "$OUT/xla" ] && (cd "$OUT" && tar czf xla.tgz xla && rm -rf xla)
 exit $status
