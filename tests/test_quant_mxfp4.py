@@ -150,18 +150,24 @@ class MXFP4FormatTest(parameterized.TestCase):
         # Measures the price of the kernel-exactness floor on real-shaped random weights: the
         # number of raised blocks and the error it adds over plain OCP quantization (both 0).
         rows = 256  # a slice of the N rows keeps the test fast; every row is independent
-        rng = np.random.default_rng(_seed())
+        seed = _seed()
+        rng = np.random.default_rng(seed)
         w = (rng.standard_normal((rows, k)) * (1.0 / np.sqrt(k))).astype(np.float32)
         q = quant.quantize_mxfp4(jnp.asarray(w))
         _, plain, _ = _ocp_reference(w, floor_drop=None)
         raised = int(np.sum(np.asarray(q.scales) != plain))
-        self.assertEqual(raised, 0, f"{raised} blocks raised for a [{n}, {k}] Gaussian slice")
-        # Heavy tails (Student t, 2 degrees of freedom) still stay within 11 exponents.
+        self.assertEqual(raised, 0, f"{raised} blocks raised for a [{n}, {k}] Gaussian slice, "
+                                    f"seed={seed}")
+        # Heavy tails (Student t, 2 degrees of freedom) stay within 11 exponents in nearly
+        # every row. Counted per row, not per block: a row whose largest value is an extreme
+        # outlier has most of its blocks raised at once (one such row of 256 at K=15360 is
+        # ~2e-3 of the blocks; a per-block bound of 1e-3 failed a CI run on it). 40 seeds:
+        # at most 1 row of 256 with a raised block, 2 allowed.
         t = (rng.standard_t(2, (rows, k)) / np.sqrt(k)).astype(np.float32)
         qt = quant.quantize_mxfp4(jnp.asarray(t))
         _, plain_t, _ = _ocp_reference(t, floor_drop=None)
-        frac = np.mean(np.asarray(qt.scales) != plain_t)
-        self.assertLess(frac, 1e-3)
+        rows_raised = int(np.sum(np.any(np.asarray(qt.scales) != plain_t, axis=1)))
+        self.assertLessEqual(rows_raised, 2, f"[{rows}, {k}] Student-t slice, seed={seed}")
 
     def test_nan_and_inf_are_rejected_naming_the_tensor(self):
         for bad in (np.nan, np.inf, -np.inf):
