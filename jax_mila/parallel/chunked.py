@@ -17,9 +17,9 @@ queries to each of its segments with the single-device kernel (one call per segm
 positions through q_offset / kv_offset, causal: unfilled slots lie after every query and
 future segments cost only skipped tiles; an empty segment returns zeros with lse -inf). The
 partial results are merged exactly by their log-sum-exp into a running float32 result, segment
-by segment in a while loop (MERGE_GROUP), the last merge weighting every part by its share of
-the total over all devices (an all-gather of [P, B, H, C] floats: exp(lse_part - lse_total)),
-and one psum_scatter leaves each device the rows of its own C / P queries.
+by segment in a while loop, then weighted by its share of the total over all devices (an
+all-gather of [P, B, H, C] floats: exp(lse_part - lse_total)), and one psum_scatter leaves
+each device the rows of its own C / P queries.
 
 Sliding-window layers. The ring of the last W positions is small and kept replicated: the
 chunk's K/V are all-gathered, every device applies the same ring update
@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import os
 
 import jax
 import jax.numpy as jnp
@@ -186,58 +185,22 @@ def attention(q, k, v, kv_offset, attn, *, window, pos):
 
     starts = jnp.stack([jnp.asarray(s, jnp.int32) for s in segments]) * length  # positions
 
-    def part(j, k, v):  # segment j (an int, or traced inside the loop) of this device's block
+    def part(j):  # segment j (an int, or traced inside the loop) of this device's block
         return attn(q_all, _slice(k, j * length, length), _slice(v, j * length, length),
                     q_offset=pos, kv_offset=starts[j], return_lse=True)
 
-    if MERGE_GROUP == 0:  # segments 2 .. S-1 in a loop: one at a time, whatever the scheduler
-        acc = _merge([part(0, k, v), part(1, k, v)])
-        acc = jax.lax.fori_loop(2, len(segments), lambda j, acc: _merge([acc, part(j, k, v)]),
-                                acc)
-        parts = [acc]  # (the final weighting is then a pass of its own over the result)
-    else:
-        groups = [range(g, min(g + MERGE_GROUP, len(segments)))
-                  for g in range(0, len(segments), MERGE_GROUP)]
-        acc = None  # (o float32 normalized over the segments so far, their lse [B, Hq, C])
-        for n, group in enumerate(groups):
-            if acc is not None:  # this group's slices and calls start after the last merge
-                acc, k, v = _after(acc, k, v)
-            parts = ([] if acc is None else [acc]) + [part(j, k, v) for j in group]
-            if n < len(groups) - 1:
-                acc = _merge(parts)
-    # The last merge weights every part by its share of the total over all devices'
-    # segments, exp(lse_part - total): one pass over the float32 result, not two.
-    local = _logsumexp(jnp.stack([lse for _, lse in parts]))
-    total = _logsumexp(jax.lax.all_gather(local, axis))
-    out = _merge(parts, total)[0]
+    # Segments 2 .. S-1 in a while loop: one partial result and one segment's K/V slices are
+    # alive at a time, whatever XLA:GPU's scheduler (which plans against the whole HBM) would
+    # do with unrolled calls. Against the former groups of 4 behind optimization barriers, on
+    # two H200s (docs/performance.md, fifth round): the 12B step's plan at 262K 1.61 against
+    # 1.80 GiB, 31B at 128K 10,087 against 9,778 tok/s.
+    acc = _merge([part(0), part(1)])
+    acc = jax.lax.fori_loop(2, len(segments), lambda j, acc: _merge([acc, part(j)]), acc)
+    # This device's share of the total over all devices' segments, exp(lse - total).
+    total = _logsumexp(jax.lax.all_gather(acc[1], axis))
+    out = _merge([acc], total)[0]
     out = jax.lax.psum_scatter(out, axis, scatter_dimension=1, tiled=True)  # own C/P rows
     return out.astype(q.dtype)
-
-
-def _merge_group_from_env(default: int = 0) -> int:
-    raw = os.environ.get("JAX_MILA_CP_MERGE_GROUP", str(default))
-    if not raw.strip().isdigit():
-        raise ValueError(f"JAX_MILA_CP_MERGE_GROUP must be an int >= 0 (segments merged "
-                         f"together; 0: a loop over the segments), got {raw!r}")
-    return int(raw)
-
-
-# How the segments' partial results [B, C, Hq, D] are merged into the running float32 result.
-# 0 (default): segments 2 .. S-1 in a while loop, one partial and one segment's K/V slices
-# alive at a time whatever the scheduler does (the final weighting then costs one more pass
-# over the result). n >= 1: groups of n segments merged together, each group after the first
-# behind an optimization barrier (XLA:GPU's scheduler plans against the whole HBM, so a
-# group's calls may all be in flight at once). Measured on two H200s (docs/performance.md,
-# fifth round): 0 against the former 4 lowered the 12B step's plan at 262K from 1.80 to
-# 1.61 GiB and its peak from 11.54 to 11.35 GiB, and ran 31B at 128K at 10,087 tok/s against
-# 9,778 (1 not measured). JAX_MILA_CP_MERGE_GROUP sets it (read at import: tuning runs).
-MERGE_GROUP = _merge_group_from_env()
-
-
-def _after(deps, *xs):
-    """(deps, *xs) through an optimization barrier: what is computed from the returned xs
-    runs after deps exist (XLA:GPU schedules around barriers; XLA:CPU drops them first)."""
-    return jax.lax.optimization_barrier((deps,) + xs)
 
 
 def _slice(x, start, length: int):
