@@ -45,12 +45,14 @@ constexpr int kEBytes = 128 * kKBlocks;     // their block exponents
 constexpr int kSmemBytes = kXBytes + kWBytes + kEBytes + 1024;  // + alignment slack
 constexpr double kFlopPerTile = 2.0 * 4 * 2 * 64.0 * 128 * 32 * 2;  // 2 WG x 2 halves x 4 wgmma
 
-// pipelined: a retired n64 partial into quarter j of the masters.
-__device__ __forceinline__ void add_quarter(float (&part)[32], float (&acc)[128], int j) {
+// Adds a retired partial sum of N accumulator registers into the masters at acc[N * j ..]
+// (the m64nN and m64n256 accumulator layouts agree column block by column block).
+template <int N>
+__device__ __forceinline__ void promote(float (&part)[N], float (&acc)[128], int j) {
 #pragma unroll
-  for (int i = 0; i < 32; ++i) ptx::sm90::fence_operand(part[i]);
+  for (int i = 0; i < N; ++i) ptx::sm90::fence_operand(part[i]);
 #pragma unroll
-  for (int i = 0; i < 32; ++i) acc[32 * j + i] += part[i];
+  for (int i = 0; i < N; ++i) acc[N * j + i] += part[i];
 }
 
 template <int kVariant>
@@ -127,10 +129,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(int tiles, float* sink
           }
         ptx::sm90::wgmma_commit();
         ptx::sm90::wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < 64; ++i) ptx::sm90::fence_operand(part[i]);
-#pragma unroll
-        for (int i = 0; i < 64; ++i) acc[64 * h + i] += part[i];
+        promote(part, acc, h);
       }
 #pragma unroll
       for (int c = 0; c < 2; ++c)
@@ -170,11 +169,11 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(int tiles, float* sink
         ptx::sm90::wgmma_commit();
         if (j > 0) {
           ptx::sm90::wgmma_wait<1>();
-          add_quarter(part[(j - 1) % 2], acc, j - 1);
+          promote(part[(j - 1) % 2], acc, j - 1);
         }
       }
       ptx::sm90::wgmma_wait<0>();
-      add_quarter(part[1], acc, 3);
+      promote(part[1], acc, 3);
     } else {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -188,10 +187,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(int tiles, float* sink
               part, a[kb], ptx::sm90::desc_k128b(base + h * kHalfBytes + kb * 32));
         ptx::sm90::wgmma_commit();
         ptx::sm90::wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < 64; ++i) ptx::sm90::fence_operand(part[i]);
-#pragma unroll
-        for (int i = 0; i < 64; ++i) acc[64 * h + i] += part[i];
+        promote(part, acc, h);
       }
     }
 #pragma unroll
