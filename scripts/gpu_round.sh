@@ -37,6 +37,14 @@ grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/build.log" | sed 's/
 
 cd /tmp  # import the installed package, not the source tree
 
+# SASS=REGEX: the machine code of the built kernels whose names match, to sass.txt (what ptxas
+# did with a change: instruction order, HGMMA/QGMMA, spills), before any GPU time is spent.
+if [ -n "${SASS:-}" ]; then
+  so=$(python3 -c "import jax_mila._jax_mila_cuda as m; print(m.__file__)")
+  cuobjdump -sass "$so" | awk -v re="$SASS" '/Function :/ {on = ($0 ~ re)} on' > "$OUT/sass.txt"
+  echo "sass: $(grep -c "Function :" "$OUT/sass.txt") functions matching $SASS"
+fi
+
 # One entry of BENCHES / SIDE / MULTI: "[VAR=value ...] script.py args" (a script under the repo)
 # or "[VAR=value ...] pytest tests/... args", run under a timeout (a deadlocked kernel or a stuck
 # compile must not eat the round); its output is appended to the log named second.
@@ -123,7 +131,7 @@ sanitize() {  # tool, op group
   # the multi-GPU group sees more than one.
   local gpus=${CUDA_VISIBLE_DEVICES:-0}
   [ "$op" = prefill_cp2 ] && gpus=${CUDA_VISIBLE_DEVICES:-0,1}
-  in_own_group env CUDA_VISIBLE_DEVICES=$gpus XLA_PYTHON_CLIENT_ALLOCATOR=$alloc \
+  in_own_group timeout "${SANITIZE_TIMEOUT:-900}" env CUDA_VISIBLE_DEVICES=$gpus XLA_PYTHON_CLIENT_ALLOCATOR=$alloc \
     XLA_PYTHON_CLIENT_PREALLOCATE=false \
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" \
     compute-sanitizer --tool "$tool" --error-exitcode 99 "${filter[@]}" \
@@ -146,7 +154,9 @@ fi
 
 # Optional profiles: NCU holds ';'-separated entries "KERNEL_REGEX::SCRIPT ARGS" (a script under
 # the repo; the first launch whose name matches is profiled), leading VAR=value words allowed as
-# in BENCHES. NCU_SECTIONS overrides the sections.
+# in BENCHES. NCU_SECTIONS overrides the sections. NCU_SOURCE=1 also writes each profile's
+# per-instruction view (SASS with its stall samples, CSV) to ncu_N_sass.txt: add
+# "--section SourceCounters --section WarpStateStats" to NCU_SECTIONS for the samples.
 IFS=';' read -ra profiles <<< "${NCU:-}"
 n=0
 for p in "${profiles[@]}"; do
@@ -156,9 +166,12 @@ for p in "${profiles[@]}"; do
   step "ncu $kernel: ${envs[*]} ${words[*]}"
   # One GPU visible unless the entry says otherwise (ncu segfaulted with two visible).
   in_own_group timeout "${NCU_TIMEOUT:-150}" env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \
-    "${envs[@]}" ncu --clock-control none -k "regex:$kernel" -c 1 \
+    "${envs[@]}" ncu --clock-control none -k "regex:$kernel" -c 1 -f -o "/tmp/ncu_$n" \
     ${NCU_SECTIONS:---section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis} \
-    python3 "$REPO/${words[0]}" "${words[@]:1}" > "$OUT/ncu_$n.txt" 2>&1 || echo "   ncu exit $?"
+    python3 "$REPO/${words[0]}" "${words[@]:1}" > "$OUT/ncu_${n}_run.txt" 2>&1 || echo "   ncu exit $?"
+  ncu -i "/tmp/ncu_$n.ncu-rep" --page details > "$OUT/ncu_$n.txt" 2>&1
+  [ "${NCU_SOURCE:-0}" = 1 ] && ncu -i "/tmp/ncu_$n.ncu-rep" --page source --csv --print-source sass \
+    > "$OUT/ncu_${n}_sass.txt" 2>&1
   grep -E "Duration|Throughput|Pipe|Issue Slots|Stall|Achieved Occupancy|Bank|Warp Cycles|Eligible|Registers" "$OUT/ncu_$n.txt" | head -40
 done
 
