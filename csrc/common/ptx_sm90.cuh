@@ -159,6 +159,22 @@ __device__ __forceinline__ void tma_load_4d_multicast(uint32_t dst, const void* 
 #endif
 }
 
+// ---- matrix stores ------------------------------------------------------------------
+
+// Four 8 x 8 b16 matrices stored transposed. Register i holds matrix i in the mma fragment
+// layout (thread t: row t / 4, columns 2 (t % 4) and 2 (t % 4) + 1, the lower column in the low
+// half); it lands transposed, fragment column c as stored row c, 16 contiguous bytes whose
+// address thread 8 i + c gives (16-byte aligned). One instruction replaces 8 scalar 2-byte
+// stores per thread of an accumulator written out with its rows and columns swapped.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1,
+                                                  uint32_t r2, uint32_t r3) {
+#ifdef MILA_HAS_SM90A
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+#endif
+}
+
 // ---- named barriers between warpgroups -------------------------------------------
 
 // Arrival without waiting on named barrier `id` (1..15), whose phase completes when

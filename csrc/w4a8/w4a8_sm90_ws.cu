@@ -13,10 +13,11 @@
 //     per SM sub-partition would take issue slots from the consumers). Before exiting, the
 //     first warp waits until the consumers have released the last stages (producer tail).
 //   * warpgroups 1 and 2, the consumers (setmaxnreg.inc to 240): weight rows 64 w .. 64 w + 63
-//     of the tile each, all 256 activation rows. Per promotion chain of two K tiles (256 long):
-//     wait for both stages, convert each thread's two weight rows of both into e4m3 A
-//     fragments, then per n128 half of the activation rows 8 wgmmas into a fresh partial sum,
-//     wait, add it into the masters; release both stages. The two warpgroups are not
+//     of the tile each, all 256 activation rows. Per promotion chain of two K tiles (256 long),
+//     per n128 half of the activation rows: 8 wgmmas into a fresh partial sum (the first half
+//     converts each block's two weight rows per thread into e4m3 A fragments just before its
+//     wgmma; the second reuses them), wait, add it into the masters; then release both
+//     stages. The two warpgroups are not
 //     synchronized with each other: while one drains and adds, the other's batch runs.
 //     Why two tiles per chain: a warpgroup's drain-add-reissue turnaround (~400 cycles) was
 //     longer than the other warpgroup's 4-wgmma batch (~256 cycles at full rate), so the tensor
@@ -28,8 +29,9 @@
 //     activation tiles are reused from L2). The producer runs ahead into the next tile's stages
 //     while the consumers store the previous tile, so the epilogue overlaps the loads.
 //   * epilogue: x_scale[m] * 2^(channel_exp - 133), bf16 rounding, staged per warpgroup through
-//     its own 64 x 64 shared buffer (four passes of 64 activation rows; named barrier of the
-//     warpgroup only), 16-byte row-contiguous stores; rows >= M and columns >= N are not stored.
+//     its own 64 x 64 shared buffer with stmatrix.trans (four passes of 64 activation rows;
+//     named barrier of the warpgroup only; the row scales were copied in at the tile's start),
+//     16-byte row-contiguous stores; rows >= M and columns >= N are not stored.
 //     float32 output: direct stores (8 lanes write 32 contiguous bytes).
 //   * every mbarrier wait traps after 20 s (MILA_W4A8_WS_WATCHDOG_NS): a protocol bug fails the
 //     launch instead of hanging the GPU.
@@ -85,8 +87,9 @@ constexpr int kOutOffset = kEOffset + kStages * kEStage;
 constexpr int kOutRows = 64;                // activation rows per epilogue pass
 constexpr int kOutPitch = 64 + 8;           // bf16 per staged row: conflict-free writes
 constexpr int kOutBytes = kOutRows * kOutPitch * 2;  // one consumer warpgroup's buffer
-// x_scale of the tile's 256 rows, per consumer warpgroup: read from shared memory in the
-// epilogue (global loads there get hoisted by the compiler, all 64 at once, and spill).
+// x_scale of the tile's 256 rows, per consumer warpgroup: copied in with cp.async at the tile's
+// start and read from shared memory in the epilogue (global loads there were hoisted by the
+// compiler, all 64 at once, and spilled; loaded at the epilogue, their latency was exposed).
 constexpr int kXsOffset = kOutOffset + 2 * kOutBytes;
 constexpr int kBarOffset = kXsOffset + 2 * kBM * 4;
 constexpr int kSmemBytes = kBarOffset + 2 * kStages * 8 + 1024;  // + alignment slack
@@ -183,6 +186,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::sm90::setmaxnreg_dec<kProducerRegs>();
     if (tid >= 32) return;
     RingPos pos;
+#ifdef MILA_W4A8_WS_TIMING_ONLY
+    bool timing_only_filled = false;
+#endif
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       int tm, tn;
       tile_coords(tile, tiles_m, tiles_n, kGroupM, tm, tn);
@@ -196,6 +202,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         // first kStages waits return at once.
         mbar_wait(empty_bar + 8 * s, pos.phase ^ 1);
         const uint32_t fb = full_bar + 8 * s;
+#ifdef MILA_W4A8_WS_TIMING_ONLY
+        // Diagnostic build, wrong results: once every stage holds a real tile the producer only
+        // arrives (33 arrivals, no bytes), so the consumers run on stale tiles and the time
+        // left is the kernel without its loads (docs/performance.md: feeding against structure).
+        if (timing_only_filled) {
+          ptx::sm90::mbar_arrive(fb);
+          if (tid == 0) ptx::sm90::mbar_arrive(fb);
+          continue;
+        }
+        timing_only_filled = s == kStages - 1;
+#endif
         if (tid == 0) {
           ptx::sm90::mbar_arrive_expect_tx(fb, kTxBytes);
           ptx::sm90::tma_load_2d(smem_base + s * kXStage, &tmap_x, fb, kt * kBK, tm * kBM);
@@ -248,22 +265,32 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int n = n0 + wrow0 + 8 * h;
       lut[h] = row_lut(n < N ? args.channel_exp[n] : 0u);
     }
+    // Stage the tile's row scales for the epilogue now, with cp.async so that the main loop
+    // does not wait for them (rows >= M: zeros). Every thread of this warpgroup has passed the
+    // previous tile's last read of s_xs (the barrier before its stores) before getting here.
+    if constexpr (!std::is_same_v<OutT, float>) {
+      const uint32_t s_xs_addr = smem_base + kXsOffset + cw * kBM * 4;
+#pragma unroll
+      for (int i = 0; i < kBM / 128; ++i) {
+        const int64_t row = m0 + wtid + 128 * i;
+        ptx::w4a8::cp_async_4(s_xs_addr + (wtid + 128 * i) * 4,
+                              args.x_scale + (row < M ? row : 0), row < M);
+      }
+      ptx::cp_async_commit();
+    }
 
-    // A fragment of block kb: {row g k 4q.., row g+8 k 4q.., row g k 16+4q.., row g+8 k 16+4q..}
-    // from the stage's packed rows (64 bytes each: a warp reads 512 contiguous bytes).
-    auto convert = [&](uint32_t s, uint32_t (&a)[kKBlocks][4]) {
+    // A fragment of block kb of stage s: {row g k 4q.., row g+8 k 4q.., row g k 16+4q.., row g+8
+    // k 16+4q..} from the stage's packed rows (64 bytes each; a warp reads 512 contiguous bytes
+    // per block and row half).
+    auto convert = [&](uint32_t s, int kb, uint32_t (&a)[4]) {
       const uint8_t* sw = smem + kWOffset + s * kWStage;
       const uint8_t* se = smem + kEOffset + s * kEStage;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = wrow0 + 8 * h;
-        const uint4 v = *reinterpret_cast<const uint4*>(sw + row * kPackedTile + q * 16);
-        const uint32_t exps = *reinterpret_cast<const uint32_t*>(se + row * kKBlocks);
-#pragma unroll
-        for (int kb = 0; kb < kKBlocks; ++kb) {
-          const uint32_t word = kb == 0 ? v.x : kb == 1 ? v.y : kb == 2 ? v.z : v.w;
-          word_to_e4m3(word, (exps >> (8 * kb)) & 0xFFu, lut[h], a[kb][h], a[kb][2 + h]);
-        }
+        const uint32_t word =
+            *reinterpret_cast<const uint32_t*>(sw + row * kPackedTile + q * 16 + kb * 4);
+        word_to_e4m3(word, se[row * kKBlocks + kb], lut[h], a[h], a[2 + h]);
       }
     };
 
@@ -277,33 +304,48 @@ __global__ void __launch_bounds__(kThreads, 1)
     // the masters. Two tiles per chain halve the waits and adds per wgmma: the tensor cores
     // idle while a warpgroup drains, adds and reissues, and a 4-wgmma batch (~256 cycles) of
     // the other warpgroup did not cover that (benchmarks/wgmma_loop.py: 1,437 TFLOP/s promoted
-    // per tile against 1,943 unpromoted).
+    // per tile against 1,943 unpromoted). The first half converts each block's weights just
+    // before its wgmma, so that the conversion of block i + 1 runs while wgmma i does (each
+    // block has its own registers, untouched while in flight); the second half reuses the
+    // fragments. Converting the whole chain first, the conversion held ~24% of the consumers'
+    // stall samples; interleaved, the first half's wait fell from 11% to 5% of them, but the
+    // tensor pipe's busy share only rose from 61.6% to 62.6% (ncu, docs/performance.md).
     auto chain = [&](auto tiles_in_chain) {
       constexpr int kChain = decltype(tiles_in_chain)::value;
       uint32_t a[kChain][kKBlocks][4];
       uint32_t st[kChain], sx[kChain];
+      float part[64];  // never read before written (scale-d = 0 on each half's first wgmma)
 #pragma unroll
       for (int c = 0; c < kChain; ++c, pos.advance()) {
         st[c] = pos.stage;
-        mbar_wait(full_bar + 8 * st[c], pos.phase);
-        convert(st[c], a[c]);
         sx[c] = smem_base + st[c] * kXStage;
+        mbar_wait(full_bar + 8 * st[c], pos.phase);
+#pragma unroll
+        for (int kb = 0; kb < kKBlocks; ++kb) {
+          convert(st[c], kb, a[c][kb]);
+          ptx::sm90::wgmma_fence();  // the fragment's registers were just written
+          const uint64_t desc = ptx::sm90::desc_k128b(sx[c] + kb * 32);
+          if (c == 0 && kb == 0)
+            ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[c][kb], desc);
+          else
+            ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a[c][kb], desc);
+        }
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        // The partial sum is never read before written (scale-d = 0 on the first wgmma).
-        float part[64];
-        ptx::sm90::wgmma_fence();
+        if (h == 1) {
+          ptx::sm90::wgmma_fence();
 #pragma unroll
-        for (int c = 0; c < kChain; ++c)
+          for (int c = 0; c < kChain; ++c)
 #pragma unroll
-          for (int kb = 0; kb < kKBlocks; ++kb) {
-            const uint64_t desc = ptx::sm90::desc_k128b(sx[c] + h * kXHalf + kb * 32);
-            if (c == 0 && kb == 0)
-              ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[c][kb], desc);
-            else
-              ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a[c][kb], desc);
-          }
+            for (int kb = 0; kb < kKBlocks; ++kb) {
+              const uint64_t desc = ptx::sm90::desc_k128b(sx[c] + kXHalf + kb * 32);
+              if (c == 0 && kb == 0)
+                ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[c][kb], desc);
+              else
+                ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a[c][kb], desc);
+            }
+        }
         ptx::sm90::wgmma_commit();
         ptx::sm90::wgmma_wait<0>();
 #pragma unroll
@@ -317,7 +359,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int kb = 0; kb < kKBlocks; ++kb)
 #pragma unroll
           for (int e = 0; e < 4; ++e) ptx::sm90::fence_operand(a[c][kb][e]);
-        // Both batches retired and the packed rows were read above: the stage may be refilled.
+        // Both halves retired and the packed rows were read above: the stage may be refilled.
         ptx::sm90::mbar_arrive(empty_bar + 8 * st[c]);
       }
     };
@@ -334,42 +376,43 @@ __global__ void __launch_bounds__(kThreads, 1)
       store_f32_tile<kBM>(acc, static_cast<float*>(args.out), args.x_scale, m0, M, n0, wrow0,
                           N, ws0, ws1, q);
     } else {
-      __nv_bfloat16* so = reinterpret_cast<__nv_bfloat16*>(smem + kOutOffset + cw * kOutBytes);
-      float* s_xs = reinterpret_cast<float*>(smem + kXsOffset + cw * kBM * 4);
-      const int lcol = wwarp * 16 + g;  // warpgroup-local column (+8)
-      const int bar_id = 1 + cw;        // named barrier of this warpgroup (0 is __syncthreads)
-      // Every thread of the warpgroup is past the previous tile's epilogue (its s_xs and
-      // staging reads) before s_xs is rewritten.
-      ptx::named_barrier_sync(bar_id, 128);
-#pragma unroll
-      for (int i = 0; i < kBM / 128; ++i) {
-        const int64_t row = m0 + wtid + 128 * i;
-        s_xs[wtid + 128 * i] = row < M ? args.x_scale[row] : 0.f;
-      }
+      const uint8_t* so = smem + kOutOffset + cw * kOutBytes;
+      const float* s_xs = reinterpret_cast<const float*>(smem + kXsOffset + cw * kBM * 4);
+      const int bar_id = 1 + cw;  // named barrier of this warpgroup (0 is __syncthreads)
+      // Staged through shared memory with stmatrix.trans: the accumulator is y^T (weight rows
+      // x activation rows) and the output row-major y, so each 8 x 8 block is transposed on the
+      // way (16 stmatrix per thread and tile instead of 128 two-byte stores). Lane l gives the
+      // address of row l % 8 of matrix l / 8 = (activation block l / 16, weight half l / 8 % 2).
+      const int mi = lane / 8, mr = lane % 8;
+      const uint32_t st_addr = smem_base + kOutOffset + cw * kOutBytes +
+                               ((8 * (mi / 2) + mr) * kOutPitch + wwarp * 16 + 8 * (mi % 2)) * 2;
+      ptx::cp_async_wait<0>();  // this thread's row scales (staged at the tile start)
 #pragma unroll
       for (int p = 0; p < kBM / kOutRows; ++p) {
-        // Pass 0: s_xs written. Pass 1: the staged pass-0 rows are read.
+        // Pass 0: every thread's row scales landed. Later: the previous pass's rows were read.
         ptx::named_barrier_sync(bar_id, 128);
 #pragma unroll
-        for (int jj = 0; jj < kOutRows / 8; ++jj) {
-          const int j = p * (kOutRows / 8) + jj;
+        for (int jj = 0; jj < kOutRows / 8; jj += 2) {
+          uint32_t r[4];
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int r = 8 * jj + 2 * q + e;  // pass-local activation row
-            const float xs = s_xs[p * kOutRows + r];
-            so[r * kOutPitch + lcol] = __float2bfloat16_rn(acc[4 * j + e] * ws0 * xs);
-            so[r * kOutPitch + lcol + 8] = __float2bfloat16_rn(acc[4 * j + 2 + e] * ws1 * xs);
+          for (int b = 0; b < 2; ++b) {
+            const int j = p * (kOutRows / 8) + jj + b;  // activation rows 8j + 2q, 8j + 2q + 1
+            const float2 xs = *reinterpret_cast<const float2*>(s_xs + 8 * j + 2 * q);
+            r[2 * b] = ptx::pack_bf16x2(acc[4 * j] * ws0 * xs.x, acc[4 * j + 1] * ws0 * xs.y);
+            r[2 * b + 1] =
+                ptx::pack_bf16x2(acc[4 * j + 2] * ws1 * xs.x, acc[4 * j + 3] * ws1 * xs.y);
           }
+          ptx::sm90::stmatrix_x4_trans(st_addr + jj * 8 * kOutPitch * 2, r[0], r[1], r[2], r[3]);
         }
         ptx::named_barrier_sync(bar_id, 128);
-        // 128 rows x 8 chunks of 16 bytes: 8 threads per row, 128 contiguous bytes.
+        // 64 rows x 8 chunks of 16 bytes: 8 threads per row, 128 contiguous bytes.
 #pragma unroll
         for (int i = 0; i < kOutRows * 8 / 128; ++i) {
           const int c = wtid + i * 128, r = c / 8, ch = c % 8;
           const int64_t row = m0 + p * kOutRows + r;
           const int col = n0 + cw * 64 + ch * 8;
           if (row < M && col < N) {
-            const uint4 v = *reinterpret_cast<const uint4*>(so + r * kOutPitch + ch * 8);
+            const uint4 v = *reinterpret_cast<const uint4*>(so + (r * kOutPitch + ch * 8) * 2);
             *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(args.out) + row * N + col) = v;
           }
         }
