@@ -25,6 +25,7 @@ from absl.testing import absltest, parameterized
 
 from jax_mila import gemma4
 from jax_mila.__main__ import main
+from jax_mila.gemma4 import cache as kv
 from test_gemma4_generate import S, F, tiny_model
 
 gen = importlib.import_module("jax_mila.gemma4.generate")  # the module (gemma4.generate is the function)
@@ -227,6 +228,28 @@ class ChunkedPrefillTest(parameterized.TestCase):
     def test_bad_kv_cache_dtype(self):
         with self.assertRaisesRegex(ValueError, "'int8' is not supported .*float8_e4m3fn"):
             gemma4.prefill(tiny_model(), jnp.ones((1, 4), jnp.int32), kv_cache_dtype="int8")
+
+
+class RingUpdateTest(absltest.TestCase):
+    """cache.chunk_update on a ring, against a per-position model of what the ring must hold."""
+
+    def test_ring_keeps_the_last_positions_in_their_slots(self):
+        seed = int(np.random.SeedSequence().entropy % (2**31))
+        rng = np.random.default_rng(seed)
+        update = jax.jit(lambda buf, k, pos, valid: kv.chunk_update(buf, buf, k, k, pos, valid,
+                                                                    ring=True))
+        for size, t in ((1, 1), (3, 5), (4, 4), (8, 3)):
+            for pos in (0, 2, size, 3 * size + 1):
+                for valid in sorted({1, (t + 1) // 2, t}):
+                    buf = rng.standard_normal((1, size, 2, 3)).astype(np.float32)
+                    k = rng.standard_normal((1, t, 2, 3)).astype(np.float32)
+                    want = buf.copy()
+                    for j in range(valid):  # positions in order: later ones overwrite
+                        want[:, (pos + j) % size] = k[:, j]
+                    got = update(buf, k, jnp.int32(pos), jnp.int32(valid))[0]
+                    np.testing.assert_array_equal(
+                        np.asarray(got), want,
+                        err_msg=f"ring {size}, chunk {t}, pos {pos}, valid {valid}, seed={seed}")
 
 
 class ChunkedCliTest(absltest.TestCase):

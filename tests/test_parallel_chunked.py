@@ -96,7 +96,11 @@ def _assert_same_cache(test, got, want, seed):
             np.testing.assert_array_equal(x[:, n:], 0, err_msg=f"buffer {i}: slots past max_len")
             x = x[:, :n]
         test.assertEqual(x.shape, y.shape, f"buffer {i}")
-        np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5, err_msg=f"buffer {i}, seed={seed}")
+        # Layers after the first cache K/V computed from hidden states that went through the
+        # merged (reassociated) float32 attention sums: seed 572390202 put a full layer's K
+        # 1.7e-5 from one device's at magnitude ~1 (1e-5 failed 2 of 10 runs); a key
+        # written to the wrong slot or position is off by O(0.1).
+        np.testing.assert_allclose(x, y, atol=1e-4, rtol=1e-4, err_msg=f"buffer {i}, seed={seed}")
 
 
 class ChunkedContextParallelTest(parameterized.TestCase):

@@ -133,8 +133,16 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool):
     chunk; rolled left by R - n it reads [n ring keys][T chunk keys][R - n unwritten], positions
     pos-n .. with kv_offset pos-n, so the unwritten slots sit after every query where causality
     hides them (at their true negative positions they would be inside the window). Traced roll
-    shifts keep one compiled step for all chunks. The ring is built from the OLD buffer first;
-    then the chunk's last min(valid, R) real keys go to their slots (p % R)."""
+    shifts keep one compiled step for all chunks.
+
+    The ring is then written in place: the chunk's last min(valid, R) real keys go to their
+    slots (p % R), the values taken from the materialized view (where chunk key i sits at
+    n + i). Read from the view, the write depends on the view's read of the old ring, so XLA
+    can order the two and update the donated buffer in place. Written from k itself (no such
+    dependency), or computed whole from the slab into a fresh buffer, the context-parallel
+    step kept a new ring per layer that XLA copied into the output at the end of the step
+    (12B on two H200s: up to 80 x 4 MiB at the step's peak, 10.19 GiB per device against
+    10.04 now; scripts/xla_live_buffers.py on the GPU's dump, docs/performance.md)."""
     t, size = k.shape[1], k_buf.shape[1]
     k, v = k.astype(k_buf.dtype), v.astype(v_buf.dtype)
     i = jnp.arange(t, dtype=jnp.int32)
@@ -149,9 +157,17 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool):
         ordered = jnp.roll(buf, -(pos % size), axis=1)  # positions pos-R .. pos-1
         return jnp.roll(jnp.concatenate([ordered, x], axis=1), -(size - n), axis=1)
 
-    k_view, v_view = slab(k_buf, k), slab(v_buf, v)
+    # Materialized (the barrier keeps XLA from fusing a second read of the old ring into the
+    # write below): attention needs these buffers anyway.
+    k_view, v_view = jax.lax.optimization_barrier((slab(k_buf, k), slab(v_buf, v)))
     keep = (i < valid) & (i >= valid - size)  # the last R real tokens: distinct slots
     slots = jnp.where(keep, (pos + i) % size, size)
-    k_buf = k_buf.at[:, slots].set(k, mode="drop")
-    v_buf = v_buf.at[:, slots].set(v, mode="drop")
+    k_buf = k_buf.at[:, slots].set(jnp.take(k_view, n + i, axis=1), mode="drop")
+    v_buf = v_buf.at[:, slots].set(jnp.take(v_view, n + i, axis=1), mode="drop")
+    # Attention reads the views only once the ring is written: the writes feed nothing but the
+    # step's outputs, so XLA:GPU's scheduler put every layer's at the end of the step, each
+    # holding its chunk K/V until then (12B, two-device step: 40 layers' gathered K and V,
+    # 16 MiB each, 1.25 of the 1.61 GiB planned). Full layers need no barrier: their view is
+    # the written buffer.
+    k_buf, v_buf, k_view, v_view = jax.lax.optimization_barrier((k_buf, v_buf, k_view, v_view))
     return k_buf, v_buf, k_view, v_view, (pos - n).astype(jnp.int32)

@@ -18,8 +18,8 @@ positions through q_offset / kv_offset, causal: unfilled slots lie after every q
 future segments cost only skipped tiles; an empty segment returns zeros with lse -inf). The
 partial results are merged exactly by their log-sum-exp into a running float32 result, segment
 by segment in a while loop, then weighted by its share of the total over all devices (an
-all-gather of [P, B, H, C] floats: exp(lse_part - lse_total)), and one psum_scatter leaves
-each device the rows of its own C / P queries.
+all-gather of [P, B, H, C] floats: exp(lse_part - lse_total)), and one psum_scatter in the
+model's dtype leaves each device the rows of its own C / P queries.
 
 Sliding-window layers. The ring of the last W positions is small and kept replicated: the
 chunk's K/V are all-gathered, every device applies the same ring update
@@ -189,18 +189,19 @@ def attention(q, k, v, kv_offset, attn, *, window, pos):
         return attn(q_all, _slice(k, j * length, length), _slice(v, j * length, length),
                     q_offset=pos, kv_offset=starts[j], return_lse=True)
 
-    # Segments 2 .. S-1 in a while loop: one partial result and one segment's K/V slices are
+    # Segments 1 .. S-1 in a while loop: one partial result and one segment's K/V slices are
     # alive at a time, whatever XLA:GPU's scheduler (which plans against the whole HBM) would
     # do with unrolled calls. Against the former groups of 4 behind optimization barriers, on
     # two H200s (docs/performance.md, fifth round): the 12B step's plan at 262K 1.61 against
     # 1.80 GiB, 31B at 128K 10,087 against 9,778 tok/s.
-    acc = _merge([part(0), part(1)])
-    acc = jax.lax.fori_loop(2, len(segments), lambda j, acc: _merge([acc, part(j)]), acc)
-    # This device's share of the total over all devices' segments, exp(lse - total).
+    acc = jax.lax.fori_loop(1, len(segments), lambda j, acc: _merge([acc, part(j)]),
+                            _merge([part(0)]))
+    # This device's share of the total over all devices' segments, exp(lse - total), summed
+    # over the devices in the model's dtype (as the tensor-parallel all-reduces are): half the
+    # bytes of float32 on the wire and in the workspace; one more rounding for bf16 models.
     total = _logsumexp(jax.lax.all_gather(acc[1], axis))
-    out = _merge([acc], total)[0]
-    out = jax.lax.psum_scatter(out, axis, scatter_dimension=1, tiled=True)  # own C/P rows
-    return out.astype(q.dtype)
+    out = _merge([acc], total)[0].astype(q.dtype)
+    return jax.lax.psum_scatter(out, axis, scatter_dimension=1, tiled=True)  # own C/P rows
 
 
 def _slice(x, start, length: int):
