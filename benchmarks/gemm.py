@@ -27,17 +27,18 @@ from _bench import markdown_table, write_json  # noqa: E402
 
 from jax_mila import ffi, quant  # noqa: E402
 
-# Gemma 4 12B: name -> (N, K) of y[M, N] = x[M, K] @ W[N, K]^T.
+# Gemma 4 12B: name -> (N, K) of y[M, N] = x[M, K] @ W[N, K]^T. No spaces in the names: they
+# are passed through --only and through scripts/gpu_round.sh's space-separated entries.
 SHAPES = {
     "qkv": (8192, 3840),
-    "q+k global": (8704, 3840),
-    "o_proj sliding": (3840, 4096),
-    "o_proj global": (3840, 8192),
+    "q+k_global": (8704, 3840),
+    "o_proj_sliding": (3840, 4096),
+    "o_proj_global": (3840, 8192),
     "gate+up": (30720, 3840),
     "down": (3840, 15360),
 }
 # Measured anchors at M=16384 (specs/anchors.md), for the table.
-XLA_FP8_SCALED_ANCHOR = {"qkv": 697, "q+k global": 740}
+XLA_FP8_SCALED_ANCHOR = {"qkv": 697, "q+k_global": 740}
 # XLA's FP8 dot (jax 0.11.2, H200) never returned for these N at M=16384 (three runs, each cut
 # by a 200-300 s timeout): not timed, so the rest of the table still comes out.
 XLA_FP8_HANGS_N = {30720}
