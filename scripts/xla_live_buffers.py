@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import itertools
 import os
 import re
 import sys
@@ -76,10 +77,11 @@ def main() -> int:
     if not timed:
         sys.exit("xla_live_buffers: no temporary value has a live range in the dump")
     end = max(last for *_, last in timed) + 1
-    alive = [0] * end
+    change = [0] * (end + 1)  # bytes that start / stop being alive at each position
     for _, size, _, first, last in timed:
-        for t in range(first, last + 1):
-            alive[t] += size
+        change[first] += size
+        change[last + 1] -= size
+    alive = list(itertools.accumulate(change[:end]))
     peak = max(range(end), key=alive.__getitem__)
     print(f"most temporary bytes alive: {alive[peak] / 2**30:.3f} GiB at #{peak} "
           f"({schedule.get(peak)})")
