@@ -57,15 +57,22 @@ ATTENTION_CASES = (
     (1, 33, 50, 2, 2, True, None, 0, 10),     # rows before their first key: fully masked
     (1, 97, 130, 16, 1, False, None, 0, 0),
     (1, 70, 200, 16, 1, True, None, 130, 0),  # queries at the end of a longer key range
+    # Segmented keys (D=512 only; kv_offset = segment starts): out of order, a future segment,
+    # segments of 100 slots (tiles reach into the next segment), a window across segments.
+    (1, 97, 256, 16, 1, True, None, 480, (500, 0, 1000, 64)),
+    (2, 40, 300, 4, 1, True, 64, 350, (0, 100, 300)),
 )
 
 
 def check_attention(d):
     for b, t, s, hq, hkv, causal, window, qo, ko in ATTENTION_CASES:
+        if isinstance(ko, tuple) and d != 512:
+            continue
         q, k, v = _bf16((b, t, hq, d)), _bf16((b, s, hkv, d)), _bf16((b, s, hkv, d))
         kw = dict(causal=causal, window=window, return_lse=True)
         fn = lambda q, k, v, a, c: ffi.flash_attention(q, k, v, q_offset=a, kv_offset=c, **kw)  # noqa: E731
-        o, lse = testing.call_with_poisoned_outputs(fn, q, k, v, jnp.int32(qo), jnp.int32(ko))
+        o, lse = testing.call_with_poisoned_outputs(fn, q, k, v, jnp.int32(qo),
+                                                    jnp.asarray(ko, jnp.int32))
         f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
         ro, rl = _on_cpu(lambda q, k, v: reference.flash_attention(
             f32(q), f32(k), f32(v), q_offset=qo, kv_offset=ko, **kw), q, k, v)

@@ -51,8 +51,10 @@ def _fresh_seed() -> int:
 
 
 def _positions(t, s, q_offset, kv_offset):
+    """Query and key positions; a vector kv_offset holds the starts of equal key segments."""
     qp = jnp.asarray(q_offset, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
-    kp = jnp.asarray(kv_offset, jnp.int32) + jnp.arange(s, dtype=jnp.int32)
+    starts = jnp.asarray(kv_offset, jnp.int32).reshape(-1, 1)  # [N, 1]
+    kp = (starts + jnp.arange(s // starts.shape[0], dtype=jnp.int32)[None, :]).reshape(s)
     return qp, kp
 
 
@@ -142,6 +144,20 @@ CASES = (
 )
 CPU_CASES = tuple(c for c in CASES if c[2] * c[3] <= 130_000)  # the reference is O(T*S) memory
 
+# Segmented keys (head dim 512): kv_offset holds the starts of N equal segments of S / N slots
+# (a context-parallel device's share of the cache). Segment lengths that are and are not key
+# tile multiples, starts out of order and with gaps, future segments, rows that see no
+# segment, a window across segments, and a device's zig-zag share of a 16K cache.
+_ZIGZAG = tuple(s * 256 for r in range(16) for s in (4 * r + 1, 4 * r + 2))  # 2 devices, 32 segs
+SEGMENTED_CASES = (
+    ("small_seg4_len100", 1, 250, 400, 4, 1, True, None, 350, (0, 300, 400, 700), None, 1.0),
+    ("small_seg4_unordered_gqa16", 2, 97, 256, 16, 1, True, None, 480, (500, 0, 1000, 64),
+     None, 1.0),
+    ("small_seg2_all_future", 1, 40, 128, 2, 1, True, None, 0, (1000, 2000), None, 1.0),
+    ("seg3_window100", 1, 130, 384, 8, 2, True, 100, 200, (0, 256, 128), None, 1.0),
+    ("seg32_zigzag_share_of_16k", 1, 1000, 8192, 16, 1, True, None, 7000, _ZIGZAG, 1.0, 0.5),
+)
+
 
 class _Checks:
     """Assertions shared by the CPU and GPU classes."""
@@ -214,6 +230,24 @@ class FlashAttentionCpuTest(parameterized.TestCase, _Checks):
         b, t, s, hq, hkv, causal, window, qo, ko, scale, mag = case
         self.check_case(_wrapper(causal, window, scale), _fresh_seed(), d, *case)
 
+    @parameterized.named_parameters(*_cpu_params(SEGMENTED_CASES, dims=(512,)))
+    def test_segmented_keys_match_oracle(self, d, case):
+        b, t, s, hq, hkv, causal, window, qo, ko, scale, mag = case
+        self.check_case(_wrapper(causal, window, scale), _fresh_seed(), d, *case)
+
+    def test_segments_equal_keys_in_position_order(self):
+        # Segments are positions, not slots: the same keys stored in another segment order
+        # give the same result as one contiguous block in position order.
+        q, k, v = _inputs(_fresh_seed(), 1, 50, 192, 4, 1, 512)
+        order = np.array([2, 0, 1])  # slot segment j holds position segment order[j]
+        perm = lambda x: jnp.concatenate([x[:, 64 * o:64 * o + 64] for o in order], axis=1)
+        fn = _wrapper(True, None, None)
+        o1, l1 = fn(q, k, v, jnp.int32(150), jnp.int32(0))
+        o2, l2 = fn(q, perm(k), perm(v), jnp.int32(150), jnp.asarray(64 * order, jnp.int32))
+        np.testing.assert_allclose(np.asarray(o1, np.float32), np.asarray(o2, np.float32),
+                                   atol=1e-2)
+        np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=1e-5)
+
     def test_poisoned_outputs_harness_d256(self):
         # The poison harness (donated NaN buffers) works here too; on GPU it guards the kernel.
         b, t, s, hq, hkv, causal, window, qo, ko, scale, mag = CASES[1][1:]
@@ -270,9 +304,13 @@ class FlashAttentionCpuTest(parameterized.TestCase, _Checks):
         # would drop the CUDA branch anyway), while D=256 keeps its kernel branch.
         from unittest import mock
         from jax_mila.ffi import _registry
+        from jax_mila.ffi import attention as ffi_attention
         forced = lambda op, target=None: _registry.OpStatus(op, True, "forced by the test")
+        # Both the routing (attention._target) and the dispatch read the capabilities: on a
+        # machine with an H200, routing alone would pick the sm_90 D=256 kernel.
         with mock.patch.object(_registry, "status", forced), \
-             mock.patch.object(_registry, "cuda_capabilities", return_value=((8, 9),)):
+             mock.patch.object(_registry, "cuda_capabilities", return_value=((8, 9),)), \
+             mock.patch.object(ffi_attention, "cuda_capabilities", return_value=((8, 9),)):
             for d, kernel_expected in ((512, False), (256, True)):
                 q, k, v = _inputs(_fresh_seed(), 1, 8, 8, 2, 1, d)
                 jaxpr = str(jax.make_jaxpr(
@@ -344,6 +382,13 @@ class FlashAttentionCpuTest(parameterized.TestCase, _Checks):
         self._bad(r"scale: must be a finite", x, x, x, scale=float("inf"))
         self._bad(r"q_offset: must be an integer scalar", x, x, x, q_offset=jnp.zeros(2, jnp.int32))
         self._bad(r"kv_offset: must be an integer scalar", x, x, x, kv_offset=1.5)
+        y = jnp.zeros((1, 4, 2, 512), jnp.bfloat16)
+        self._bad(r"kv_offset: .*N dividing S=4; got shape \(3,\)", y, y, y,
+                  kv_offset=jnp.zeros(3, jnp.int32))
+        self._bad(r"kv_offset: .*got shape \(2, 2\)", y, y, y,
+                  kv_offset=jnp.zeros((2, 2), jnp.int32))
+        self._bad(r"kv_offset: segmented keys \(2 segment starts\) .*head dim 512 only; got "
+                  r"head dim 256", x, x, x, kv_offset=jnp.zeros(2, jnp.int32))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,7 +454,9 @@ def _make_gpu_test_class(d: int, env: dict[str, str] | None = None):
     runs (the routing variables are read at trace time)."""
     target = f"jax_mila_flash_attention_d{d}"
     params = [dict(testcase_name=f"_{c[0]}", case=c[1:]) for c in CASES]
-    small = [p for p in params if p["testcase_name"].startswith("_small")]
+    seg_params = [dict(testcase_name=f"_{c[0]}", case=c[1:]) for c in SEGMENTED_CASES]
+    small = [p for p in params + (seg_params if d == 512 else [])
+             if p["testcase_name"].startswith("_small")]
 
     class GpuTest(parameterized.TestCase, _Checks):
         D = d
@@ -425,6 +472,16 @@ def _make_gpu_test_class(d: int, env: dict[str, str] | None = None):
         @parameterized.named_parameters(*params)
         def test_matches_oracle(self, case):
             b, t, s, hq, hkv, causal, window, qo, ko, scale, mag = case
+            self.check_case(_wrapper(causal, window, scale), _fresh_seed(), d, *case)
+
+        @parameterized.named_parameters(*seg_params)
+        def test_segmented_keys(self, case):
+            b, t, s, hq, hkv, causal, window, qo, ko, scale, mag = case
+            if d != 512:  # the D=256 kernels take one segment: refused at trace time
+                q, k, v = _inputs(0, b, t, s, hq, hkv, d)
+                with self.assertRaisesRegex(ValueError, "head dim 512 only"):
+                    ffi.flash_attention(q, k, v, causal=causal, kv_offset=jnp.asarray(ko))
+                return
             self.check_case(_wrapper(causal, window, scale), _fresh_seed(), d, *case)
 
         @parameterized.named_parameters(*small)

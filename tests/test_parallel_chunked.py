@@ -140,10 +140,10 @@ class ChunkedContextParallelTest(parameterized.TestCase):
                 self.assertEqual(shards, {cache.max_len // devices})
         _assert_same_cache(self, cache, want_cache, seed)
 
-    def test_segments_merge_in_one_loop_per_full_layer(self):
-        # The segments' partial results merge one at a time in a while loop (one per full
-        # layer and step), so at most one partial is alive whatever the scheduler does; the
-        # result still equals one device's (eight segments per device, all holding keys).
+    def test_segments_attend_in_one_call_per_full_layer(self):
+        # A device attends to all its segments in one call (a vector kv_offset): no loop over
+        # segments, no per-segment partials; the result still equals one device's (eight
+        # segments per device, all holding keys).
         seed = _seed()
         model = _model("moe", seed)
         ids = _ids(seed, 30, model.config.vocab_size)
@@ -157,8 +157,14 @@ class ChunkedContextParallelTest(parameterized.TestCase):
                                                         tp_axis=None, seq_axis="seq",
                                                         segments=8)
         text = step.lower(state, empty, jnp.zeros((2, 8), jnp.int32), jnp.int32(8)).as_text()
+        self.assertEmpty(re.findall(r"stablehlo\.while", text))
+        # The reference attention's score product (keys [B, 16, Hkv, D] against the 8 queries
+        # [B, 8, Hkv, G, D]) once per full layer, over all 16 local slots (8 segments of 2:
+        # capacity 32 over 2 devices), not once per 2-slot segment.
         full = sum(not s.is_sliding for s in model.config.layers)
-        self.assertLen(re.findall(r"stablehlo\.while", text), full)
+        scores = re.findall(r"stablehlo\.dot_general.*\(tensor<2x16x2x32xf32>, "
+                            r"tensor<2x8x2x2x32xf32>\)", text)
+        self.assertLen(scores, full)
 
     def test_default_chunk_is_rounded_up_to_the_devices(self):
         # No chunk_size: a prompt shorter than the default chunk runs as one chunk of its own

@@ -171,6 +171,33 @@ class TraceTest(absltest.TestCase):
         self.assertAlmostEqual(split["xla gemm"], 0.3)
         self.assertAlmostEqual(split["other"], 0.1)
         self.assertAlmostEqual(split["total"], 4.15)
+        self.assertEqual(list(split["per_device"]), ["/device:GPU:0"])
+        self.assertAlmostEqual(split["per_device"]["/device:GPU:0"]["total"], 4.15)
+        self.assertEqual(split["top_other"], [["loop_add_fusion", 0.1]])
+
+    def test_split_per_device(self):
+        # Two devices: the sum and each device's own split; NCCL kernels are collectives.
+        threads = {(1, 7): "Stream #7(Compute)", (3, 7): "Stream #7(Compute)"}
+        events = [(1, 7, "w4a8_wgmma_ws_kernel", 2000), (3, 7, "w4a8_wgmma_ws_kernel", 1000),
+                  (3, 7, "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 700),
+                  (1, 7, "loop_multiply_fusion_2", 300), (3, 7, "loop_multiply_fusion_2", 200),
+                  (3, 7, "input_reduce_fusion", 400)]
+        trace_json = _trace(events, threads)
+        trace_json["traceEvents"].append(
+            {"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/device:GPU:1"}})
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "t.trace.json.gz")
+            with gzip.open(path, "wt") as f:
+                json.dump(trace_json, f)
+            split = trace.split_by_op(path)
+        self.assertAlmostEqual(split["w4a8 gemm"], 3.0)
+        self.assertAlmostEqual(split["collectives (nccl)"], 0.7)
+        gpu0, gpu1 = split["per_device"]["/device:GPU:0"], split["per_device"]["/device:GPU:1"]
+        self.assertAlmostEqual(gpu0["total"], 2.3)
+        self.assertAlmostEqual(gpu1["total"], 2.3)
+        self.assertAlmostEqual(gpu1["collectives (nccl)"], 0.7)
+        self.assertEqual(split["top_other"], [["loop_multiply_fusion_2", 0.5],
+                                              ["input_reduce_fusion", 0.4]])
 
     def test_hopper_kernel_names(self):
         # The sm_90a kernels (csrc/*_sm90/, w4a8_sm90_ws.cu) land in the same buckets as the

@@ -50,8 +50,17 @@ inline ffi::Error DecodeAttention(int d, ffi::Buffer<ffi::BF16> q, ffi::Buffer<f
                            " packed rows per KV head exceed INT32_MAX; got q ", ShapeString(qd),
                            " k ", ShapeString(kd));
   }
-  if (q_offset.element_count() != 1 || kv_offset.element_count() != 1) {
-    return InvalidArgument(kAttentionOp, "q_offset and kv_offset must be int32 scalars");
+  if (q_offset.element_count() != 1) {
+    return InvalidArgument(kAttentionOp, "q_offset must be an int32 scalar, got ",
+                           ShapeString(q_offset.dimensions()));
+  }
+  // kv_offset: one start position per key segment (attention_params.h); head dim 512 only.
+  const int64_t segments = static_cast<int64_t>(kv_offset.element_count());
+  if (kv_offset.dimensions().size() > 1 || segments < 1 || kd[1] % segments != 0 ||
+      (segments > 1 && d != 512)) {
+    return InvalidArgument(kAttentionOp, "kv_offset: expected an int32 scalar, or (head dim "
+                           "512) a vector of N segment starts with N dividing S=", kd[1],
+                           "; got ", ShapeString(kv_offset.dimensions()), " at head dim ", d);
   }
   if (window < 0 || window > INT32_MAX || (window > 0 && !causal)) {
     return InvalidArgument(kAttentionOp, "window=", window, " must be >= 0 and needs causal=True");
@@ -71,6 +80,7 @@ inline ffi::Error DecodeAttention(int d, ffi::Buffer<ffi::BF16> q, ffi::Buffer<f
   p.lse = lse->typed_data();
   p.q_offset = q_offset.typed_data();
   p.kv_offset = kv_offset.typed_data();
+  p.kv_segments = static_cast<int>(segments);
   p.batch = static_cast<int>(qd[0]);
   p.t = static_cast<int>(qd[1]);
   p.s = static_cast<int>(kd[1]);
@@ -83,7 +93,7 @@ inline ffi::Error DecodeAttention(int d, ffi::Buffer<ffi::BF16> q, ffi::Buffer<f
 }
 
 // The binding both head dims use:
-//   args q, k, v (bf16), q_offset, kv_offset (int32 scalars);
+//   args q, k, v (bf16), q_offset (int32 scalar), kv_offset (int32 scalar or [N] segments);
 //   rets o (bf16, q's shape), lse (f32 [B, Hq, T]);
 //   attrs scale (f32), causal (bool), window (i64, 0 = none).
 #define MILA_ATTENTION_BINDING()                                   \

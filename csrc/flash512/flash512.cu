@@ -72,6 +72,7 @@
 #include <string_view>
 
 #include "common/attention_params.h"
+#include "common/key_tiles.cuh"
 #include "common/ptx.cuh"
 
 namespace mila {
@@ -192,21 +193,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Positions (offset + index) do not: they are formed in int64 only.
   const int rows_total = p.t * G;
   const int m0 = m_block * kBlockM;
-  const int q_off = *p.q_offset, kv_off = *p.kv_offset;
+  const int q_off = *p.q_offset;
 
-  // Keys any row of this block can see.
+  // Keys any row of this block can see: tiles of each key segment (common/key_tiles.cuh).
   const int t_min = m0 / G;
   const int t_max = min(p.t - 1, (m0 + kBlockM - 1) / G);
   const int64_t qpos_min = static_cast<int64_t>(q_off) + t_min;
   const int64_t qpos_max = static_cast<int64_t>(q_off) + t_max;
-  int64_t n_lo = 0, n_hi = p.s;
-  if (p.causal) n_hi = min(n_hi, qpos_max - kv_off + 1);
-  if (p.window > 0) n_lo = max(n_lo, qpos_min - p.window + 1 - kv_off);
-  int tile_lo = 0, tile_hi = 0;
-  if (n_hi > n_lo) {
-    tile_lo = static_cast<int>(n_lo / BN);
-    tile_hi = static_cast<int>((n_hi + BN - 1) / BN);
-  }
+  KeyTileCursor<BN> tile(p, qpos_min, qpos_max);
+  const bool any_tile = tile.valid();
 
   const uint32_t sQ = px::smem_addr(smem + C::kOffQ);
   const uint32_t sK = px::smem_addr(smem + C::kOffK);
@@ -270,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float l_run[2] = {0.f, 0.f};
   const float scale_log2 = p.scale * kLog2e;
 
-  if (tile_lo < tile_hi) {
+  if (any_tile) {
     // Q tile: 64 packed rows (position t, head h*G + gq), zeros past the last row.
 #pragma unroll 4
     for (int i = 0; i < kBlockM * kChunksPerRow / kThreads; ++i) {
@@ -284,11 +279,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           p.q + ((static_cast<size_t>(b) * p.t + tq) * p.hq + h * G + gq) * kD + ch * 8;
       px::cp_async_16(sQ + row * kRowBytes + ch * 16, src, valid);
     }
-    LoadKvTile<BN>(sK, k_base, k_thread, key_stride, tile_lo * BN, p.s, tid);
+    LoadKvTile<BN>(sK, k_base, k_thread, key_stride, tile.n0(), p.s, tid);
   }
   px::cp_async_commit();
   if constexpr (kNarrow) {
-    if (tile_lo < tile_hi) copy_v_cols(tile_lo * BN);
+    if (any_tile) copy_v_cols(tile.n0());
     px::cp_async_commit();
     px::cp_async_wait<1>();
     __syncthreads();  // Q and K_lo (copied by all threads) visible to all
@@ -302,10 +297,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t vb_addr = sV + ((lane & 7) + ((lane >> 3) & 1) * 8) * kRowBytes +
                            (8 * warp + (lane >> 4)) * 16;
 
-  for (int tile = tile_lo; tile < tile_hi; ++tile) {
-    const int n0 = tile * BN;
+  for (bool first = true; tile.valid(); first = false) {
+    const int n0 = tile.n0();
+    const int64_t kpos0 = tile.kpos0();  // position of key n0
+    const int keys_left = tile.keys_left();
+    tile.Advance();  // from here on, `tile` is the next tile (valid() if there is one)
     if constexpr (kNarrow) {
-      if (tile != tile_lo) {
+      if (!first) {
         px::cp_async_wait<1>();  // this thread's part of K_j's half wn (V_j may fly on)
         px::named_barrier_sync(5 + wn, 128);  // the group's K_j half visible to the group
       }
@@ -356,10 +354,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Partials visible within the group (its two reduction pairs); the group's 4
       // warps, the only readers of K_j's half wn, are done with it.
       px::named_barrier_sync(5 + wn, 128);
-      if (tile + 1 < tile_hi) copy_k_half(n0 + BN);
+      if (tile.valid()) copy_k_half(tile.n0());
     } else {
       __syncthreads();  // partials visible; every warp is done reading K_j
-      if (tile + 1 < tile_hi) LoadKvTile<BN>(sK, k_base, k_thread, key_stride, n0 + BN, p.s, tid);
+      if (tile.valid()) LoadKvTile<BN>(sK, k_base, k_thread, key_stride, tile.n0(), p.s, tid);
     }
     px::cp_async_commit();  // possibly empty: keeps the wait_group arithmetic uniform
 
@@ -374,10 +372,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
     // ---- Online softmax on rows sr[0], sr[1], keys n0 + kWarpKeys*wn + 8n + 2t4 + {0,1}.
-    const bool need_mask =
-        (p.s - n0 < BN) ||
-        (p.causal && static_cast<int64_t>(n0) + BN - 1 + kv_off > qpos_min) ||
-        (p.window > 0 && static_cast<int64_t>(n0) + kv_off + p.window <= qpos_max);
+    const bool need_mask = (keys_left < BN) || (p.causal && kpos0 + BN - 1 > qpos_min) ||
+                           (p.window > 0 && kpos0 + p.window <= qpos_max);
 #pragma unroll
     for (int n = 0; n < kNT; ++n)
 #pragma unroll
@@ -388,9 +384,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int kofs = kWarpKeys * wn + 8 * n + 2 * t4 + (e & 1);  // key - n0
-          // delta = q_pos - k_pos; visible iff key < s, delta >= 0 (causal), delta < window.
-          const int64_t delta = static_cast<int64_t>(q_off) + tq[e >> 1] - kv_off - n0 - kofs;
-          const bool visible = kofs < p.s - n0 && (!p.causal || delta >= 0) &&
+          // delta = q_pos - k_pos; visible iff the key is in the tile's segment (and < s),
+          // delta >= 0 (causal), delta < window.
+          const int64_t delta = static_cast<int64_t>(q_off) + tq[e >> 1] - kpos0 - kofs;
+          const bool visible = kofs < keys_left && (!p.causal || delta >= 0) &&
                                (p.window <= 0 || delta < p.window);
           if (!visible) s[n][e] = NegInf();
         }
@@ -483,7 +480,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if constexpr (kNarrow) {
       __syncwarp();  // every lane's ldmatrix of V_j columns done before they are refilled
-      if (tile + 1 < tile_hi) copy_v_cols(n0 + BN);
+      if (tile.valid()) copy_v_cols(tile.n0());
       px::cp_async_commit();
     }
   }

@@ -100,6 +100,7 @@
 #include <cstdlib>
 
 #include "common/attention_params.h"
+#include "common/key_tiles.cuh"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
 #include "common/tensor_map.h"
@@ -156,7 +157,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int h = blockIdx.y, b = blockIdx.z;
   const int G = p.hq / p.hkv;
   const int rows_total = p.t * G;  // fits int32: the FFI handler checks it
-  const int q_off = *p.q_offset, kv_off = *p.kv_offset;
+  const int q_off = *p.q_offset;
   // This CTA's M tile, and the first packed row of the span whose keys it loads: its own tile
   // (kCluster 1), or the cluster's pair of adjacent tiles 2 pair, 2 pair + 1 (kCluster 2:
   // both CTAs load the union of their key ranges, each half of every K/V tile, multicast).
@@ -185,14 +186,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       kCluster == 1 ? qpos_max
                     : static_cast<int64_t>(q_off) +
                           min(p.t - 1, (span_m0 + kCluster * kBlockM - 1) / G);
-  int64_t n_lo = 0, n_hi = p.s;
-  if (p.causal) n_hi = min(n_hi, span_qpos_max - kv_off + 1);
-  if (p.window > 0) n_lo = max(n_lo, span_qpos_min - p.window + 1 - kv_off);
-  int tile_lo = 0, tile_hi = 0;
-  if (n_hi > n_lo) {
-    tile_lo = static_cast<int>(n_lo / kBlockN);
-    tile_hi = static_cast<int>((n_hi + kBlockN - 1) / kBlockN);
-  }
+  // The key tiles of the span, segment by segment (common/key_tiles.cuh); every role walks
+  // its own copy of this cursor, so all agree on tile i.
+  const KeyTileCursor<kBlockN> first_tile(p, span_qpos_min, span_qpos_max);
 
   if (tid == 0) {
     hx::mbar_init(bar_q, 1);
@@ -213,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {
     // ---------------- producer ----------------
     hx::setmaxnreg_dec<kProducerRegs<kCluster>>();
-    if (tid == 0 && tile_lo < tile_hi) {
+    if (tid == 0 && first_tile.valid()) {
       hx::tma_prefetch_desc(&tm_q);
       hx::tma_prefetch_desc(&tm_k);
       hx::tma_prefetch_desc(&tm_v);
@@ -245,9 +241,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       };
-      for (int tile = tile_lo, i = 0; tile < tile_hi; ++tile, ++i) {
-        load_tile(i, tile * kBlockN, bar_k_empty, bar_k_full, sK, &tm_k);
-        load_tile(i, tile * kBlockN, bar_v_empty, bar_v_full, sV, &tm_v);
+      int i = 0;
+      for (KeyTileCursor<kBlockN> tile = first_tile; tile.valid(); tile.Advance(), ++i) {
+        load_tile(i, tile.n0(), bar_k_empty, bar_k_full, sK, &tm_k);
+        load_tile(i, tile.n0(), bar_v_empty, bar_v_full, sV, &tm_v);
       }
     }
     // With a cluster, no CTA may exit while the other can still arrive on its barriers.
@@ -301,7 +298,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float l_run[2] = {0.f, 0.f};
   const float scale_log2 = p.scale * kLog2e;
 
-  if (tile_lo < tile_hi) {
+  if (first_tile.valid()) {
     const uint32_t q_half = sQ + 4 * c * kColBlockBytes;
     const uint32_t k_half = sK + 4 * c * kColBlockBytes;
     const uint32_t v_half = sV + 4 * c * kColBlockBytes;
@@ -311,8 +308,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int e = 0; e < 32; ++e) s[e] = 0.f;
     hx::mbar_wait(bar_q, 0);
-    for (int tile = tile_lo, i = 0; tile < tile_hi; ++tile, ++i) {
-      const int n0 = tile * kBlockN;
+    int i = 0;
+    for (KeyTileCursor<kBlockN> tile = first_tile; tile.valid(); ++i) {
+      const int64_t kpos0 = tile.kpos0();  // position of the tile's first key
+      const int keys_left = tile.keys_left();
+      tile.Advance();  // tile.valid(): a next tile follows
       const uint32_t parity = i & 1;
 
       // ---- S_c = Q[:, D half c] K[:, D half c]^T (64 x 64, fp32).
@@ -356,24 +356,22 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       // Done reading red[1-c]: its writer may refill it at the next tile (none after the last,
       // so every phase of barriers 2 and 3 completes: n - 1 arrivals and n - 1 syncs each).
-      if (tile + 1 < tile_hi) hx::named_barrier_arrive(2 + (1 - c), 256);
+      if (tile.valid()) hx::named_barrier_arrive(2 + (1 - c), 256);
       // This warp is done with K_i (wgmmas retired) and with red[1-c] of tile i.
       release(k_empty_own, k_empty_peer);
 
       // ---- Online softmax on rows 16wq+g (+8), keys n0 + 8j + 2t4 + {0,1}.
-      const bool need_mask =
-          (p.s - n0 < kBlockN) ||
-          (p.causal && static_cast<int64_t>(n0) + kBlockN - 1 + kv_off > qpos_min) ||
-          (p.window > 0 && static_cast<int64_t>(n0) + kv_off + p.window <= qpos_max);
+      const bool need_mask = (keys_left < kBlockN) ||
+                             (p.causal && kpos0 + kBlockN - 1 > qpos_min) ||
+                             (p.window > 0 && kpos0 + p.window <= qpos_max);
 #pragma unroll
       for (int e = 0; e < 32; ++e) s[e] *= scale_log2;
       if (need_mask) {
 #pragma unroll
         for (int e = 0; e < 32; ++e) {
           const int kofs = 8 * (e >> 2) + 2 * t4 + (e & 1);  // key - n0
-          const int64_t delta =
-              static_cast<int64_t>(q_off) + tq[(e >> 1) & 1] - kv_off - n0 - kofs;
-          const bool visible = kofs < p.s - n0 && (!p.causal || delta >= 0) &&
+          const int64_t delta = static_cast<int64_t>(q_off) + tq[(e >> 1) & 1] - kpos0 - kofs;
+          const bool visible = kofs < keys_left && (!p.causal || delta >= 0) &&
                                (p.window <= 0 || delta < p.window);
           if (!visible) s[e] = NegInf();
         }

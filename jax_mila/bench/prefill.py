@@ -499,19 +499,30 @@ def report(rows: list[dict], backends: list[str], seqs: list[int]) -> str:
 
     from jax_mila.bench.trace import BUCKET_NAMES
 
-    split, notes = [], set()
+    def shares(ms):
+        return [f"{ms['total']:.1f}"] + [
+            f"{ms[k]:.1f} ({100 * ms[k] / max(ms['total'], 1e-9):.0f}%)" for k in BUCKET_NAMES]
+
+    split, heaviest, notes = [], [], set()
     for b in backends:
         for s in seqs:
             r = by.get((b, s), {})
             if r.get("split_ms"):
                 ms = r["split_ms"]
-                split.append([b, s, f"{ms['total']:.1f}"] + [
-                    f"{ms[k]:.1f} ({100 * ms[k] / max(ms['total'], 1e-9):.0f}%)" for k in BUCKET_NAMES])
+                split.append([b, s] + shares(ms))
+                per_device = ms.get("per_device") or {}
+                if len(per_device) > 1:  # each device's own time: the slowest sets the pace
+                    split += [[f"{b} GPU{d.rsplit(':', 1)[-1]}", s] + shares(own)
+                              for d, own in per_device.items()]
+                heaviest += [f"{b} {s}: {name[:80]} {t:.1f} ms" for name, t in ms.get("top_other", ())]
             elif r.get("split_note"):
                 notes.add(r["split_note"])
     if split:
-        text += ["GPU kernel time by op, ms per prefill (share of kernel time)",
+        text += ["GPU kernel time by op, ms per prefill (share of kernel time; a series on N "
+                 "devices: their sum, then each device)",
                  _table(["backend", "seq", "kernels"] + list(BUCKET_NAMES), split)]
+    if heaviest:
+        text += ["", "Heaviest kernels in \"other\" (summed over devices)"] + heaviest
     for n in sorted(notes):
         text.append(f"op split: {n}")
     return "\n".join(text)

@@ -6,7 +6,9 @@ one thread per CUDA stream ("Stream #..."), whose complete events ("ph": "X", "d
 are the kernels and copies as CUPTI saw them. Other device threads ("XLA Ops", "XLA
 Modules", ...) repeat the same time under HLO names and are skipped, so nothing is counted
 twice. Kernels are bucketed by name (BUCKETS, first match wins); the sum is device busy time,
-not wall time (streams can overlap, and host gaps are not in it).
+not wall time (streams can overlap, and host gaps are not in it). With several devices the
+split is also kept per device: NCCL kernels spin while they wait for a peer, so a device's
+"collectives" time is transfers plus the other devices' lateness.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ BUCKETS = (
     ("act quantize", re.compile(r"quantize_rows", re.I)),
     ("cudnn attention", re.compile(r"cudnn|fmha|flash_fprop|fprop", re.I)),
     ("xla gemm", re.compile(r"gemm|cublas|cutlass|nvjet|xmma|matmul|triton_dot|__dot", re.I)),
+    ("collectives (nccl)", re.compile(r"nccl", re.I)),
 )
+TOP_OTHER = 8  # the heaviest kernels of the "other" bucket, by name, kept in the split
 OTHER = "other"
 BUCKET_NAMES = tuple(b for b, _ in BUCKETS) + (OTHER,)
 _SKIP_THREADS = re.compile(r"XLA|Step|Framework|Source|Launch|Module|Op", re.I)
@@ -46,14 +50,16 @@ def find_trace(log_dir: str) -> str | None:
 
 
 def kernel_events(trace: dict):
-    """(name, duration in us) of every kernel / copy on a device stream of a parsed trace."""
+    """(device, name, duration in us) of every kernel / copy on a device stream of a parsed
+    trace; device is the process name ("/device:GPU:0")."""
     events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-    devices, threads = set(), {}
+    devices, threads = {}, {}
     for e in events:
         if e.get("ph") != "M":
             continue
-        if e.get("name") == "process_name" and str(e.get("args", {}).get("name", "")).startswith("/device:"):
-            devices.add(e.get("pid"))
+        process = str(e.get("args", {}).get("name", ""))
+        if e.get("name") == "process_name" and process.startswith("/device:"):
+            devices[e.get("pid")] = process
         elif e.get("name") == "thread_name":
             threads[(e.get("pid"), e.get("tid"))] = str(e.get("args", {}).get("name", ""))
     streams = {k for k, n in threads.items() if k[0] in devices and n.startswith("Stream")}
@@ -61,21 +67,33 @@ def kernel_events(trace: dict):
         streams = {k for k, n in threads.items() if k[0] in devices and not _SKIP_THREADS.search(n)}
     for e in events:
         if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams:
-            yield str(e.get("name", "")), float(e.get("dur", 0.0))
+            yield devices[e.get("pid")], str(e.get("name", "")), float(e.get("dur", 0.0))
 
 
 def split_by_op(trace_path: str) -> dict | None:
-    """{bucket: milliseconds} of device kernel time (plus "total" and "kernels": the count),
-    or None when the trace holds no device events (CPU, or the profiler saw no GPU)."""
+    """{bucket: milliseconds} of device kernel time summed over the devices, plus "total",
+    "kernels" (the count), "per_device" ({device: {bucket: ms, "total": ms}}) and
+    "top_other" ([name, ms] of the heaviest kernels no bucket took); None when the trace holds
+    no device events (CPU, or the profiler saw no GPU)."""
     with gzip.open(trace_path, "rt") as f:
         trace = json.load(f)
     ms = {b: 0.0 for b in BUCKET_NAMES}
+    per_device, other = {}, {}
     count = 0
-    for name, dur in kernel_events(trace):
-        ms[bucket_of(name)] += dur / 1e3
+    for device, name, dur in kernel_events(trace):
+        bucket = bucket_of(name)
+        ms[bucket] += dur / 1e3
+        own = per_device.setdefault(device, {b: 0.0 for b in BUCKET_NAMES})
+        own[bucket] += dur / 1e3
+        if bucket == OTHER:
+            other[name] = other.get(name, 0.0) + dur / 1e3
         count += 1
     if count == 0:
         return None
     ms["total"] = sum(ms[b] for b in BUCKET_NAMES)
     ms["kernels"] = count
+    for own in per_device.values():
+        own["total"] = sum(own[b] for b in BUCKET_NAMES)
+    ms["per_device"] = dict(sorted(per_device.items()))
+    ms["top_other"] = [[n, t] for n, t in sorted(other.items(), key=lambda x: -x[1])[:TOP_OTHER]]
     return ms

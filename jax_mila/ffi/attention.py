@@ -2,7 +2,10 @@
 
 q [B, T, Hq, D], k and v [B, S, Hkv, D] (bf16); query head n reads KV head n // (Hq // Hkv).
 Query i sits at position q_offset + i and key j at kv_offset + j; the offsets may be traced
-int32 scalars, so chunked prefill does not recompile. With causal=True a key is visible when
+int32 scalars, so chunked prefill does not recompile. Head dim 512 also takes a vector
+kv_offset of N segment starts (N dividing S): the keys are N segments of L = S / N slots, slot
+n L + j at position kv_offset[n] + j (a device's share of a position-sharded cache, attended in
+one call: jax_mila/parallel/chunked.py). With causal=True a key is visible when
 its position is not after the query's; a window W (requires causal) also asks
 q_pos - k_pos < W. Rows with no visible key return zeros (lse -inf).
 """
@@ -81,8 +84,18 @@ def _validate(q, k, v, scale, causal, window, q_offset, kv_offset) -> None:
     for name, off in (("q_offset", q_offset), ("kv_offset", kv_offset)):
         shape = np.shape(off)
         dtype = np.result_type(off) if not hasattr(off, "dtype") else np.dtype(off.dtype)
-        if shape != () or not np.issubdtype(dtype, np.integer):
+        if not np.issubdtype(dtype, np.integer):
             _checks.fail(OP, name, f"must be an integer scalar, got {dtype} of shape {shape}")
+        if shape == ():
+            continue
+        if name == "q_offset":
+            _checks.fail(OP, name, f"must be an integer scalar, got {dtype} of shape {shape}")
+        if len(shape) != 1 or shape[0] < 1 or k.shape[1] % shape[0]:
+            _checks.fail(OP, name, f"must be an integer scalar or a vector of N segment starts "
+                                   f"with N dividing S={k.shape[1]}; got shape {shape}")
+        if shape[0] > 1 and d != 512:
+            _checks.fail(OP, name, f"segmented keys ({shape[0]} segment starts) are supported "
+                                   f"for head dim 512 only; got head dim {d}")
 
 
 def _make_call(target, scale, causal, window):

@@ -1,9 +1,11 @@
 """Attention: the dot-product attention core (no projections), backend fixed at construction.
 
 Contract (that of jax_mila.ffi.flash_attention): q [B, T, Hq, D], k and v [B, S, Hkv, D];
-query i sits at position q_offset + i, key j at kv_offset + j; causal masking hides keys
-after the query; a window W also hides keys with q_pos - k_pos >= W (so each query sees
-itself and the W - 1 previous tokens, exactly HF's ``kv_idx > q_idx - sliding_window``).
+query i sits at position q_offset + i, key j at kv_offset + j (or, with a vector kv_offset of
+N segment starts, key n S/N + j at kv_offset[n] + j; kernels for head dim 512); causal
+masking hides keys after the query; a window W also hides keys with q_pos - k_pos >= W (so
+each query sees itself and the W - 1 previous tokens, exactly HF's ``kv_idx > q_idx -
+sliding_window``).
 
 Backends:
 - "reference": always jax_mila.reference.flash_attention (float32 math from the inputs).
@@ -31,7 +33,7 @@ KERNEL_MAX_GROUPS = ffi_attention.MAX_GROUPS
 
 
 def kernel_unsupported_reason(q: jax.Array, k: jax.Array, v: jax.Array,
-                              window: int | None) -> str | None:
+                              window: int | None, kv_segments: int = 1) -> str | None:
     """Why jax_mila.ffi.flash_attention cannot take this call, or None. The reasons name the
     configuration (head dim, dtype, head grouping, window), never the sequence length, so a
     model logs each once, not once per prompt length. Everything the ffi wrapper rejects with
@@ -52,6 +54,8 @@ def kernel_unsupported_reason(q: jax.Array, k: jax.Array, v: jax.Array,
     if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer))
                                or window < 1):
         return f"window={window!r} (the kernels take None or an int >= 1)"
+    if kv_segments > 1 and d != 512:
+        return f"{kv_segments} key segments at head_dim={d} (segmented keys: head_dim 512 only)"
     return None
 
 
@@ -71,7 +75,7 @@ class Attention(nnx.Module):
         if return_lse:
             kwargs["return_lse"] = True
         if self.backend != "reference":
-            reason = kernel_unsupported_reason(q, k, v, window)
+            reason = kernel_unsupported_reason(q, k, v, window, kv_segments=int(np.size(kv_offset)))
             if reason is None:
                 # The ffi layer logs its own fallbacks (no GPU, kernel not built or disabled,
                 # D=512 on a GPU without the shared memory).

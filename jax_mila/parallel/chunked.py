@@ -13,11 +13,10 @@ balanced to within about one segment, and so is memory) and 1/P of the buffer in
 device's local buffer [B, M/P, H, D] is its segments in increasing position order. Per layer
 and chunk: the chunk's K/V and Q are all-gathered; each device writes the chunk's K/V into
 the slots of the segments it owns (a scatter whose other indices drop) and attends all C
-queries to each of its segments with the single-device kernel (one call per segment, true
-positions through q_offset / kv_offset, causal: unfilled slots lie after every query and
-future segments cost only skipped tiles; an empty segment returns zeros with lse -inf). The
-partial results are merged exactly by their log-sum-exp into a running float32 result, segment
-by segment in a while loop, then weighted by its share of the total over all devices (an
+queries to its whole block in one kernel call (the segments' true positions as a vector
+kv_offset, jax_mila.ffi.flash_attention; causal: unfilled slots lie after every query and
+future segments cost only skipped tiles; a device with no visible key for a row returns zeros
+with lse -inf). Its result is weighted by its share of the total over all devices (an
 all-gather of [P, B, H, C] floats: exp(lse_part - lse_total)), and one psum_scatter in the
 model's dtype leaves each device the rows of its own C / P queries.
 
@@ -43,10 +42,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_mila.parallel._scope import TraceScope
 
-# Segments per device: more balance the causal work of each chunk better (94% of ideal for
-# 2 devices at 8, 89% at 4, 80% at 2; docs/notes_parallel.md) but cost one attention call
-# and one partial result [B, C, Hq, D] to merge each per full layer and chunk.
-DEFAULT_SEGMENTS = 8
+# Segments per device: more balance the causal work of each chunk better (2 devices, 128K,
+# chunk 4096: 94% of ideal at 8, 97% at 16, 98.5% at 32; chunk 8192: 100% at 32;
+# docs/notes_parallel.md). The kernel walks them in one call, so more cost only a few
+# integer operations per CTA and segment, and capacity rounds up to a multiple of P x S.
+DEFAULT_SEGMENTS = 32
 
 _STATE = TraceScope("jax_mila_chunked_context_parallel")
 
@@ -181,51 +181,29 @@ def attention(q, k, v, kv_offset, attn, *, window, pos):
     devices = jax.lax.axis_size(axis)
     q_all = jax.lax.all_gather(q, axis, axis=1, tiled=True)  # [B, C, Hq, D]
     length = k.shape[1] // state.segments
-    segments = owned_segments(i, devices, state.segments)
-
-    starts = jnp.stack([jnp.asarray(s, jnp.int32) for s in segments]) * length  # positions
-
-    def part(j):  # segment j (an int, or traced inside the loop) of this device's block
-        return attn(q_all, _slice(k, j * length, length), _slice(v, j * length, length),
-                    q_offset=pos, kv_offset=starts[j], return_lse=True)
-
-    # Segments 1 .. S-1 in a while loop: one partial result and one segment's K/V slices are
-    # alive at a time, whatever XLA:GPU's scheduler (which plans against the whole HBM) would
-    # do with unrolled calls. Against the former groups of 4 behind optimization barriers, on
-    # two H200s (docs/performance.md, fifth round): the 12B step's plan at 262K 1.61 against
-    # 1.80 GiB, 31B at 128K 10,087 against 9,778 tok/s.
-    acc = jax.lax.fori_loop(1, len(segments), lambda j, acc: _merge([acc, part(j)]),
-                            _merge([part(0)]))
-    # This device's share of the total over all devices' segments, exp(lse - total), summed
-    # over the devices in the model's dtype (as the tensor-parallel all-reduces are): half the
-    # bytes of float32 on the wire and in the workspace; one more rounding for bf16 models.
-    total = _logsumexp(jax.lax.all_gather(acc[1], axis))
-    out = _merge([acc], total)[0].astype(q.dtype)
+    starts = jnp.stack([jnp.asarray(s, jnp.int32) * length  # the segments' first positions
+                        for s in owned_segments(i, devices, state.segments)])
+    # One call over the whole local block: the kernel walks the segments itself (a vector
+    # kv_offset, jax_mila.ffi.flash_attention), so no partial per segment is written, sliced
+    # or merged. Per-segment calls merged in a loop cost the 31B at 128K on two H200s 0.44 s
+    # a device of merges and slices (docs/performance.md, seventh round).
+    o, lse = attn(q_all, k, v, q_offset=pos, kv_offset=starts, return_lse=True)
+    # This device's share of the total over all devices, exp(lse - total), summed over the
+    # devices in the model's dtype (as the tensor-parallel all-reduces are): half the bytes of
+    # float32 on the wire and in the workspace; one more rounding for bf16 models.
+    total = _logsumexp(jax.lax.all_gather(lse, axis))
+    out = _share(o, lse, total).astype(q.dtype)
     return jax.lax.psum_scatter(out, axis, scatter_dimension=1, tiled=True)  # own C/P rows
 
 
-def _slice(x, start, length: int):
-    """x[:, start:start + length] of a local block [B, S L, H, D] (a copy: the kernel takes
-    whole buffers)."""
-    return jax.lax.dynamic_slice_in_dim(x, start, length, axis=1)
-
-
-def _weighted(o, lse, total):
-    """o [B, C, Hq, D] * exp(lse - total) in float32; 0 where lse is -inf (an empty part:
-    never NaN, whatever o holds there)."""
-    w = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - total))  # [B, Hq, C]
+def _share(o, lse, total):
+    """A partial result o [B, C, Hq, D] (normalized over its own keys, log-sum-exp lse
+    [B, Hq, C]) as its share of a softmax over more keys (log-sum-exp `total`): o * exp(lse -
+    total) in float32, 0 where lse is -inf (no visible key: never NaN, whatever o holds)."""
+    safe = jnp.where(jnp.isneginf(total), 0.0, total)
+    w = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - safe))  # [B, Hq, C]
     w = jnp.transpose(w, (0, 2, 1))[..., None]  # [B, C, Hq, 1]
     return jnp.where(w > 0, o.astype(jnp.float32) * w, 0.0)
-
-
-def _merge(parts, total=None):
-    """Exact softmax merge of partial results [(o, lse)] -> (o float32, total): o normalized
-    to `total`, by default the parts' own log-sum-exp (a larger one scales o down by
-    exp(their lse - total): a share of a merge over more parts)."""
-    if total is None:
-        total = _logsumexp(jnp.stack([lse for _, lse in parts]))
-    safe = jnp.where(jnp.isneginf(total), 0.0, total)
-    return sum(_weighted(o, lse, safe) for o, lse in parts), total
 
 
 def _logsumexp(x):

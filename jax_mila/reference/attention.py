@@ -1,7 +1,8 @@
 """Reference attention with the contract of jax_mila.ffi.flash_attention.
 
 q [B, T, Hq, D], k and v [B, S, Hkv, D]; query head n reads KV head n // (Hq // Hkv).
-Query i sits at position q_offset + i and key j at kv_offset + j. With causal=True a key
+Query i sits at position q_offset + i and key j at kv_offset + j, or with a vector kv_offset
+of N segment starts, key n L + j (L = S / N) at kv_offset[n] + j. With causal=True a key
 is visible when its position is not after the query's; a window W additionally requires
 q_pos - k_pos < W. A query row with no visible key returns zeros (and lse = -inf).
 
@@ -37,7 +38,10 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, q_offset=
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * jnp.float32(scale)
     q_pos = jnp.asarray(q_offset, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
-    k_pos = jnp.asarray(kv_offset, jnp.int32) + jnp.arange(s, dtype=jnp.int32)
+    starts = jnp.atleast_1d(jnp.asarray(kv_offset, jnp.int32))  # one per segment
+    seg_len = s // starts.shape[0]
+    k_pos = jnp.repeat(starts, seg_len) + jnp.tile(jnp.arange(seg_len, dtype=jnp.int32),
+                                                   starts.shape[0])
     mask = visible_mask(q_pos, k_pos, causal=causal, window=window)
     scores = jnp.where(mask, scores, -jnp.inf)
 
