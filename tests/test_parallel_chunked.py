@@ -71,14 +71,27 @@ def _ids(seed, length, vocab):
     return jax.random.randint(jax.random.key(seed), (2, length), 3, vocab, jnp.int32)
 
 
-def _assert_close_logits(test, got, want, seed):
-    # float32; the merged attention sums and the split matmuls add in another order
-    # (observed a few 1e-6 on logits up to ~30); a wrongly visible key moves them by O(0.1).
-    want = np.asarray(want)
+def _assert_close_logits(test, got, want, seed, reorderings=()):
+    """float32: the merged attention sums and the split matmuls add in another order (a few
+    1e-6 on logits up to ~30 for most seeds); a wrongly visible key moves them by O(0.1).
+
+    Some random models amplify float32 reassociation far more: "shared_ple", seed 1418859679,
+    put the logits 6.2e-4 x scale from one device's, and one device disagreed with itself by
+    5.7e-4 x scale between chunk sizes (one-shot against chunk 8). So where 1e-5 x scale does
+    not hold, `reorderings` (callables: the same single-device logits summed in another order,
+    e.g. another chunk size) measure that model's own sensitivity, and the bound is twice it,
+    never above 1e-2 x scale."""
+    got, want = np.asarray(got), np.asarray(want)
     scale = max(1.0, float(np.max(np.abs(want))))
-    test.assertTrue(np.all(np.isfinite(np.asarray(got))), f"seed={seed}")
-    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * scale, rtol=0,
-                               err_msg=f"seed={seed}")
+    test.assertTrue(np.all(np.isfinite(got)), f"seed={seed}")
+    err = float(np.max(np.abs(got - want)))
+    if err <= 1e-5 * scale:
+        return
+    own = max((float(np.max(np.abs(np.asarray(f()) - want))) for f in reorderings), default=0.0)
+    bound = min(max(1e-5 * scale, 2 * own), 1e-2 * scale)
+    test.assertLessEqual(err, bound, f"seed={seed}: logits {err:.2e} from one device's, which "
+                                     f"moves by {own:.2e} between its own chunk sizes (scale "
+                                     f"{scale:.1f})")
 
 
 def _assert_same_cache(test, got, want, seed):
@@ -127,7 +140,11 @@ class ChunkedContextParallelTest(parameterized.TestCase):
         want, want_cache = gemma4.prefill(model, ids, chunk_size=chunk, max_cache_len=max_len)
         got, cache = gemma4.prefill(model, ids, chunk_size=chunk, max_cache_len=max_len,
                                     mesh=_mesh(devices), seq_segments=segments)
-        _assert_close_logits(self, got, want, seed)
+        # The same single-device prefill in other chunk sizes: what float32 reassociation alone
+        # does to this model's logits (used only where 1e-5 x scale does not hold).
+        reorderings = [functools.partial(lambda c: gemma4.prefill(
+            model, ids, chunk_size=c, max_cache_len=max_len)[0], c) for c in (length, 2)]
+        _assert_close_logits(self, got, want, seed, reorderings)
         self.assertEqual(cache.seq_layout, (devices, segments))
         self.assertEqual(cache.max_len % (devices * segments), 0)
         self.assertBetween(cache.max_len - want_cache.max_len, 0, devices * segments - 1)
