@@ -127,16 +127,28 @@ sanitize() {  # tool, op group
   else
     filter=(--kernel-name kns=mila); alloc=${XLA_PYTHON_CLIENT_ALLOCATOR:-default}
   fi
-  # compute-sanitizer segfaulted at start on a two-GPU machine with both GPUs visible: only
-  # the multi-GPU group sees more than one.
-  local gpus=${CUDA_VISIBLE_DEVICES:-0}
-  [ "$op" = prefill_cp2 ] && gpus=${CUDA_VISIBLE_DEVICES:-0,1}
-  in_own_group timeout "${SANITIZE_TIMEOUT:-900}" env CUDA_VISIBLE_DEVICES=$gpus XLA_PYTHON_CLIENT_ALLOCATOR=$alloc \
-    XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" \
-    compute-sanitizer --tool "$tool" --error-exitcode 99 "${filter[@]}" \
-    python3 "$REPO/scripts/sanitize_kernels.py" --ops "$op" > "$log" 2>&1
-  local rc=$?
+  run_sanitized() {  # GPU(s) to show, log, extra script arguments
+    in_own_group timeout "${SANITIZE_TIMEOUT:-900}" env CUDA_VISIBLE_DEVICES=$1 \
+      XLA_PYTHON_CLIENT_ALLOCATOR=$alloc XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" \
+      compute-sanitizer --tool "$tool" --error-exitcode 99 "${filter[@]}" \
+      python3 "$REPO/scripts/sanitize_kernels.py" --ops "$op" "${@:3}" > "$2" 2>&1
+  }
+  local rc=0
+  if [ "$op" = prefill_cp2 ]; then
+    # compute-sanitizer (and ncu) segfaulted at start whenever a process saw both GPUs: the
+    # two-GPU group runs as one process per GPU, joined by jax.distributed (a port per tool,
+    # as the tools run side by side); each sanitizer sees its process's kernels.
+    local port=$((12355 + $(echo "$SANITIZE" | tr ' ' '\n' | grep -n -x "$tool" | cut -d: -f1)))
+    local p0 p1
+    run_sanitized 0 "${log%.log}_p0.txt" --coordinator "localhost:$port" --num-processes 2 --process-id 0 & p0=$!
+    run_sanitized 1 "${log%.log}_p1.txt" --coordinator "localhost:$port" --num-processes 2 --process-id 1 & p1=$!
+    wait $p0 || rc=$?
+    wait $p1 || rc=$?
+    cat "${log%.log}_p0.txt" "${log%.log}_p1.txt" > "$log"
+  else
+    run_sanitized "${CUDA_VISIBLE_DEVICES:-0}" "$log" || rc=$?
+  fi
   echo "   $tool $op: exit $rc; $(grep -h -E "ERROR SUMMARY|RACECHECK SUMMARY|^FAIL" "$log" | tr '\n' ' ')"
   return $rc
 }

@@ -10,6 +10,13 @@ poison fills. Every case checks its result, so a run is also a correctness check
     compute-sanitizer --tool initcheck python3 scripts/sanitize_kernels.py --ops quantize
     compute-sanitizer --tool racecheck --kernel-name kns=mila python3 scripts/sanitize_kernels.py
 
+The two-GPU group (prefill_cp2) also runs as two processes with one GPU each (compute-sanitizer
+segfaulted at start whenever a process saw both H200s), joined by jax.distributed; every process
+runs the same checks on the global mesh:
+
+    CUDA_VISIBLE_DEVICES=$i compute-sanitizer ... python3 scripts/sanitize_kernels.py \
+        --ops prefill_cp2 --coordinator localhost:12355 --num-processes 2 --process-id $i
+
 Exit status 0 when every case matched its oracle.
 """
 
@@ -26,13 +33,14 @@ import numpy as np
 
 from jax_mila import ffi, quant, reference, testing
 
-CPU = jax.devices("cpu")[0]
 RNG = np.random.default_rng()
 
 
 def _on_cpu(fn, *args, **kwargs):
-    with jax.default_device(CPU):
-        return fn(*jax.device_put(args, CPU), **kwargs)
+    # Looked up per call: with --num-processes, no backend may start before jax.distributed.
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        return fn(*jax.device_put(args, cpu), **kwargs)
 
 
 def _bf16(shape, scale=1.0):
@@ -131,9 +139,13 @@ def check_prefill_two_gpus():
     from jax_mila import gemma4
     from jax_mila.gemma4.config import Gemma4Config
 
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    from jax.experimental import multihost_utils
+
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]  # every process's, under jax.distributed
     if len(gpus) < 2:
         raise RuntimeError(f"prefill_cp2 needs 2 GPUs, found {len(gpus)}")
+    # Several processes must build the same model and prompt: process 0's draws for all.
+    shared = lambda x: np.asarray(multihost_utils.broadcast_one_to_all(x))  # noqa: E731
     sliding, full = "sliding_attention", "full_attention"
     cfg = Gemma4Config.from_dict(dict(
         model_type="gemma4_text", final_logit_softcapping=30.0, vocab_size=512, hidden_size=256,
@@ -141,10 +153,10 @@ def check_prefill_two_gpus():
         head_dim=256, global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True,
         layer_types=[sliding, full, sliding, full], sliding_window=128,
         hidden_size_per_layer_input=0))
-    ids = jnp.asarray(RNG.integers(3, 512, (2, 1000)), jnp.int32)
+    ids = jnp.asarray(shared(RNG.integers(3, 512, (2, 1000)).astype(np.int32)))
     run = dict(chunk_size=256, max_cache_len=1024)
     for quantize in (None, "w4a8"):
-        seed = int(RNG.integers(1 << 30))
+        seed = int(shared(np.int32(RNG.integers(1 << 30))))
         model = gemma4.Gemma4ForCausalLM(cfg, dtype=jnp.bfloat16, backend="auto",
                                          quantize=quantize, rngs=nnx.Rngs(seed))
         one, _ = gemma4.prefill(model, ids, **run)
@@ -171,7 +183,15 @@ OPS = {"quantize": check_quantize, "d256": lambda: check_attention(256),
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, from {list(OPS)}")
+    parser.add_argument("--coordinator", help="host:port of jax.distributed (several processes)")
+    parser.add_argument("--num-processes", type=int, default=1)
+    parser.add_argument("--process-id", type=int, default=0)
     args = parser.parse_args()
+    if args.num_processes > 1:
+        if not args.coordinator:
+            parser.error("--num-processes > 1 needs --coordinator host:port")
+        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
+                                   process_id=args.process_id)
     failed = 0
     for op in args.ops.split(","):
         if op not in OPS:
