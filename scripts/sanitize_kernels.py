@@ -141,7 +141,8 @@ def check_prefill_two_gpus():
 
     from jax.experimental import multihost_utils
 
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]  # every process's, under jax.distributed
+    # Under jax.distributed, jax.devices() lists every process's GPUs.
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if len(gpus) < 2:
         raise RuntimeError(f"prefill_cp2 needs 2 GPUs, found {len(gpus)}")
     # Several processes must build the same model and prompt: process 0's draws for all.

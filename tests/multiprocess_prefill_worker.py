@@ -47,7 +47,8 @@ shard = cache.keys[full].addressable_shards[0]
 positions = chunked.slot_positions(cache.max_len, processes, SEGMENTS)[shard.index[1]]
 local = np.asarray(shard.data)
 real = positions < LENGTH
-cache_err = float(np.max(np.abs(local[:, real] - np.asarray(want_cache.keys[full])[:, positions[real]])))
+expected = np.asarray(want_cache.keys[full])[:, positions[real]]
+cache_err = float(np.max(np.abs(local[:, real] - expected)))
 print(json.dumps(dict(
     process=process_id, devices=len(jax.devices()), local_devices=len(jax.local_devices()),
     logits_err=float(np.max(np.abs(np.asarray(got) - np.asarray(want)))),

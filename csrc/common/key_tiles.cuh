@@ -54,9 +54,12 @@ struct KeyTileCursor {
   __device__ __forceinline__ void NextSegment() {
     while (++seg < segments) {
       seg_start = starts[seg];
-      int64_t lo = 0, hi = seg_len;  // key range of the segment, relative to its first slot
+      // Key range of the segment relative to its first slot: [lo, hi) = its keys up to the
+      // span's latest row (causal), from its earliest row's window start (window).
+      int64_t lo = 0, hi = seg_len;
       if (causal) hi = hi < qpos_max - seg_start + 1 ? hi : qpos_max - seg_start + 1;
-      if (window > 0) lo = lo > qpos_min - window + 1 - seg_start ? lo : qpos_min - window + 1 - seg_start;
+      if (window > 0)
+        lo = lo > qpos_min - window + 1 - seg_start ? lo : qpos_min - window + 1 - seg_start;
       if (hi > lo) {
         tile = static_cast<int>(lo / kBlockN);
         tile_end = static_cast<int>((hi + kBlockN - 1) / kBlockN);

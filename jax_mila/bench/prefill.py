@@ -514,7 +514,8 @@ def report(rows: list[dict], backends: list[str], seqs: list[int]) -> str:
                 if len(per_device) > 1:  # each device's own time: the slowest sets the pace
                     split += [[f"{b} GPU{d.rsplit(':', 1)[-1]}", s] + shares(own)
                               for d, own in per_device.items()]
-                heaviest += [f"{b} {s}: {name[:80]} {t:.1f} ms" for name, t in ms.get("top_other", ())]
+                heaviest += [f"{b} {s}: {name[:80]} {t:.1f} ms"
+                             for name, t in ms.get("top_other", ())]
             elif r.get("split_note"):
                 notes.add(r["split_note"])
     if split:

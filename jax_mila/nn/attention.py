@@ -75,7 +75,8 @@ class Attention(nnx.Module):
         if return_lse:
             kwargs["return_lse"] = True
         if self.backend != "reference":
-            reason = kernel_unsupported_reason(q, k, v, window, kv_segments=int(np.size(kv_offset)))
+            reason = kernel_unsupported_reason(q, k, v, window,
+                                               kv_segments=int(np.size(kv_offset)))
             if reason is None:
                 # The ffi layer logs its own fallbacks (no GPU, kernel not built or disabled,
                 # D=512 on a GPU without the shared memory).
