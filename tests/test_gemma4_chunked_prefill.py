@@ -42,9 +42,14 @@ CONFIGS = {
 NEW_TOKENS = 6
 
 
-def prompt(seed, length, batch=2):
-    # Fresh ids per test run; the two rows differ.
-    seed = int(np.random.SeedSequence().entropy % 2**31) + seed
+def fresh_seed() -> int:
+    return int(np.random.SeedSequence().entropy % 2**31)
+
+
+def prompt(seed, length, batch=2, base=None):
+    # Fresh ids per test run (from `base` + seed: a test that names `base` in its failures can
+    # be replayed); the two rows differ.
+    seed = (fresh_seed() if base is None else base) + seed
     return jax.random.randint(jax.random.key(seed), (batch, length), 3, 61, jnp.int32)
 
 
@@ -59,13 +64,19 @@ def assert_close_logits(actual, expected):
 
 
 def assert_same_cache(test, a, b):
+    """Every buffer within 1e-5 of its largest magnitude, the logits' criterion: the K/V of
+    later layers come from hidden states that went through the same reordered float32 sums
+    (a run put one of the E2B-like model's 1.3e-5 off at 0.15, in a buffer holding values
+    above 2); a key in the wrong slot is off by O(0.1)."""
     test.assertEqual(int(a.length), int(b.length))
     test.assertEqual(a.max_len, b.max_len)
-    for x, y in zip(a.keys + a.values, b.keys + b.values):
+    for i, (x, y) in enumerate(zip(a.keys + a.values, b.keys + b.values)):
         test.assertEqual(x is None, y is None)
         if x is not None:
             test.assertEqual((x.shape, x.dtype), (y.shape, y.dtype))
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5, rtol=1e-5)
+            x, y = np.asarray(x), np.asarray(y)
+            scale = max(1.0, float(np.max(np.abs(y))))
+            np.testing.assert_allclose(x, y, atol=1e-5 * scale, rtol=0, err_msg=f"buffer {i}")
 
 
 class ChunkedPrefillTest(parameterized.TestCase):
@@ -76,11 +87,12 @@ class ChunkedPrefillTest(parameterized.TestCase):
         w = model.config.sliding_window
         lengths = (1, w - 1, w, 2 * w + 3, 5 * w)
         cap = 5 * w + NEW_TOKENS  # one capacity for all prompts: one compile per chunk size
+        base = fresh_seed()
         for length in lengths:
-            ids = prompt(length, length)
+            ids = prompt(length, length, base=base)
             ref_logits, ref_cache = gemma4.prefill(model, ids, max_cache_len=cap)
             for size in (1, 3, w - 1, w, w + 1, length, 5 * w + 1):
-                with self.subTest(length=length, chunk_size=size):
+                with self.subTest(length=length, chunk_size=size, prompt_seed=base + length):
                     logits, cache = gemma4.prefill(model, ids, chunk_size=size, max_cache_len=cap)
                     assert_close_logits(logits, ref_logits)
                     assert_same_cache(self, cache, ref_cache)
