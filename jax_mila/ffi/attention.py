@@ -84,18 +84,16 @@ def _validate(q, k, v, scale, causal, window, q_offset, kv_offset) -> None:
     for name, off in (("q_offset", q_offset), ("kv_offset", kv_offset)):
         shape = np.shape(off)
         dtype = np.result_type(off) if not hasattr(off, "dtype") else np.dtype(off.dtype)
-        if not np.issubdtype(dtype, np.integer):
+        if not np.issubdtype(dtype, np.integer) or (name == "q_offset" and shape != ()):
             _checks.fail(OP, name, f"must be an integer scalar, got {dtype} of shape {shape}")
-        if shape == ():
-            continue
-        if name == "q_offset":
-            _checks.fail(OP, name, f"must be an integer scalar, got {dtype} of shape {shape}")
-        if len(shape) != 1 or shape[0] < 1 or k.shape[1] % shape[0]:
-            _checks.fail(OP, name, f"must be an integer scalar or a vector of N segment starts "
-                                   f"with N dividing S={k.shape[1]}; got shape {shape}")
-        if shape[0] > 1 and d != 512:
-            _checks.fail(OP, name, f"segmented keys ({shape[0]} segment starts) are supported "
-                                   f"for head dim 512 only; got head dim {d}")
+    segments = np.shape(kv_offset)  # () or (N,): N segment starts
+    if segments != () and (len(segments) != 1 or segments[0] < 1 or k.shape[1] % segments[0]):
+        _checks.fail(OP, "kv_offset", f"must be an integer scalar or a vector of N segment "
+                                      f"starts with N dividing S={k.shape[1]}; got shape "
+                                      f"{segments}")
+    if segments != () and segments[0] > 1 and d != 512:
+        _checks.fail(OP, "kv_offset", f"segmented keys ({segments[0]} segment starts) are "
+                                      f"supported for head dim 512 only; got head dim {d}")
 
 
 def _make_call(target, scale, causal, window):
