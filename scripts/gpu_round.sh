@@ -65,15 +65,17 @@ run_entry() {  # entry, log, timeout
   [ $rc = 124 ] && echo "   (timed out after $3 s)" | tee -a "$2"
   return $rc
 }
-# Runs a command (from /tmp, stdin closed) in its own process group and stops the group when
+# Runs a command (from /tmp, stdin closed) in its own process group and kills the group when
 # the command ends: compute-sanitizer and ncu that crash leave their Python child running,
-# which once went on compiling into the next steps' timings. setsid keeps the background PID.
+# which once went on compiling into the next steps' timings. SIGKILL, because JAX catches
+# SIGTERM (its preemption notifier): two orphans of a crashed sanitizer survived it and halved
+# the speed of the eighth round's first benchmark. setsid keeps the background PID.
 in_own_group() {
   (cd /tmp; exec setsid "$@") < /dev/null &
   local pid=$!
   wait "$pid"
   local rc=$?
-  kill -- "-$pid" 2>/dev/null
+  kill -9 -- "-$pid" 2>/dev/null
   return $rc
 }
 entries() { local IFS=';'; read -ra list <<< "$1"; for e in "${list[@]}"; do
@@ -135,10 +137,16 @@ sanitize() {  # tool, op group
       python3 "$REPO/scripts/sanitize_kernels.py" --ops "$op" "${@:3}" > "$2" 2>&1
   }
   local rc=0
-  if [ "$op" = prefill_cp2 ]; then
+  if [[ $op == *_cp2 ]]; then
     # compute-sanitizer (and ncu) segfaulted at start whenever a process saw both GPUs: the
     # two-GPU group runs as one process per GPU, joined by jax.distributed (a port per tool,
     # as the tools run side by side); each sanitizer sees its process's kernels.
+    # With NCCL's defaults (P2P over NVLink, shared memory, cuMem buffers) both sanitized
+    # processes segfaulted in the first collective (seventh round); these route NCCL through
+    # its socket transport and plain cudaMalloc buffers, and the Simple protocol (initcheck
+    # flags the LL protocols' flag polling, which reads memory nobody wrote by design).
+    export NCCL_P2P_DISABLE=${NCCL_P2P_DISABLE:-1} NCCL_SHM_DISABLE=${NCCL_SHM_DISABLE:-1}
+    export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-0} NCCL_PROTO=${NCCL_PROTO:-Simple}
     local port=$((12355 + $(echo "$SANITIZE" | tr ' ' '\n' | grep -n -x "$tool" | cut -d: -f1)))
     local p0 p1
     run_sanitized 0 "${log%.log}_p0.txt" --coordinator "localhost:$port" --num-processes 2 --process-id 0 & p0=$!
@@ -192,6 +200,11 @@ if [ -n "$side_pid" ]; then
   wait "$side_pid"
 fi
 unset CUDA_VISIBLE_DEVICES
+# Nothing of the sanitizers or profiles may share the GPUs with the multi-GPU benchmarks.
+if pgrep -f "python3 .*sanitize_kernels.py|ncu --clock-control" > /dev/null; then
+  echo "   killing leftover processes: $(pgrep -f -d ' ' "python3 .*sanitize_kernels.py|ncu --clock-control")"
+  pkill -9 -f "python3 .*sanitize_kernels.py|ncu --clock-control"; sleep 2
+fi
 while read -r e; do
   step "multi-GPU: $e"
   run_entry "$e" "$OUT/multi.log" "${MULTI_TIMEOUT:-300}" || status=1

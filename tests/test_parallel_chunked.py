@@ -283,9 +283,11 @@ class ChunkedContextParallelTest(parameterized.TestCase):
     @parameterized.parameters(((2,), ("seq",)), ((2, 2), ("seq", "heads")))
     def test_compiled_step_gathers_activations_only(self, shape, names):
         # Weights are replicated over the seq axis (split over heads): the step's all-gathers
-        # carry only the chunk's K/V and Q (the chunk length, 24, sits on their token axis)
-        # and the lse ([devices, B, H, chunk]); one reduce-scatter per full layer returns each
-        # device its rows.
+        # carry only the full layers' chunk K/V and Q (the chunk length, 24, sits on their
+        # token axis) and lse ([devices, B, H, chunk]), and the sliding layers' halos: each
+        # device's last R = 4 keys ([B, 2 R, H, head_dim]; a device's slice of 12 tokens
+        # holds more than R, so the chunk's sliding K/V are not gathered). One reduce-scatter
+        # per full layer returns each device its rows.
         model = _model("k_eq_v", 0)
         graphdef, state = nnx.split(model)
         mesh, chunk = _mesh(shape, names), 24
@@ -296,15 +298,23 @@ class ChunkedContextParallelTest(parameterized.TestCase):
         hlo = step.lower(state, cache, jnp.zeros((1, chunk), jnp.int32), jnp.int32(chunk)) \
             .compile().as_text()
         gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
-        self.assertNotEmpty(gathers)
+        cfg = model.config
+        halos, activations = [], []
         for shape in gathers:
             dims = [int(d) for d in re.findall(r"\d+", shape.split("{")[0].split("[", 1)[1])]
-            self.assertIn(chunk, dims, f"all-gather of {shape}: not an activation of the chunk")
-        layers = model.config.layers
-        full, sliding = sum(not s.is_sliding for s in layers), sum(s.is_sliding for s in layers)
+            if chunk in dims:
+                activations.append(shape)
+            else:
+                self.assertEqual((dims[1], dims[-1]), (2 * cfg.sliding_window, cfg.head_dim),
+                                 f"all-gather of {shape}: neither the chunk's nor a halo")
+                halos.append(shape)
+        full = sum(not s.is_sliding for s in cfg.layers)
+        sliding = len(cfg.layers) - full
         self.assertLen(re.findall(r"= \S+ reduce-scatter(?:-start)?\(", hlo), full)
-        # K, V of every layer and the Q and lse of the full ones (XLA may combine some).
-        self.assertBetween(len(gathers), 1, 2 * (full + sliding) + 2 * full)
+        # K, V, Q and lse of the full layers, K and V halos of the sliding ones (XLA may
+        # combine some).
+        self.assertBetween(len(activations), 1, 4 * full)
+        self.assertBetween(len(halos), 1, 2 * sliding)
 
     def test_kernels_on_two_gpus(self):
         # The kernel path where 2 GPUs are visible: flash attention d256 / d512 with

@@ -20,9 +20,13 @@ with lse -inf). Its result is weighted by its share of the total over all device
 all-gather of [P, B, H, C] floats: exp(lse_part - lse_total)), and one psum_scatter in the
 model's dtype leaves each device the rows of its own C / P queries.
 
-Sliding-window layers. The ring of the last W positions is small and kept replicated: the
-chunk's K/V are all-gathered, every device applies the same ring update
-(jax_mila.gemma4.cache.chunk_update) and attends its own queries over the ring + chunk slab.
+Sliding-window layers. The ring of the last R = W positions is small and kept replicated.
+When a device's slice holds at least R keys (C/P >= R, as in long prompts), the devices
+exchange only halos: one all-gather of each slice's last R real keys gives every device the R
+keys before its own queries and the ring's new contents (`_ring_halo_update`). Shorter slices
+all-gather the chunk's K/V and every device applies the same ring update
+(jax_mila.gemma4.cache.chunk_update). Each device attends its own queries over a slab of the
+keys before its slice and the slice itself.
 
 The step runs inside `jax.shard_map` under `chunked_context_parallel(axis, segments)`, which
 is what the model's layers look at (jax_mila.gemma4.model / attention); `sharded_chunk_step`
@@ -147,12 +151,15 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool):
     from jax_mila.gemma4 import cache as kv  # noqa: PLC0415 - gemma4 imports this package
 
     state = _STATE.get()
+    k, v = k.astype(k_buf.dtype), v.astype(v_buf.dtype)
+    if ring and k.shape[1] >= k_buf.shape[1]:
+        return _ring_halo_update(k_buf, v_buf, k, v, pos, valid, state.axis)
     # Invariant over the axis: every device gets the same chunk, so the replicated ring
     # stays replicated (and shard_map can check it).
     gather = lambda x: jax.lax.all_gather(x, state.axis, axis=1, tiled=True,  # noqa: E731
                                           to="invarying")
-    k, v = gather(k.astype(k_buf.dtype)), gather(v.astype(v_buf.dtype))  # [B, C, H, D]
-    if ring:  # the same update on every device keeps the replicated ring identical
+    k, v = gather(k), gather(v)  # [B, C, H, D]
+    if ring:  # slices shorter than the ring: the same update on every device
         return kv.chunk_update(k_buf, v_buf, k, v, pos, valid, ring=True)
     devices = jax.lax.axis_size(state.axis)
     local_len = k_buf.shape[1]
@@ -168,6 +175,66 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool):
     k_buf = k_buf.at[:, slot].set(k, mode="drop")
     v_buf = v_buf.at[:, slot].set(v, mode="drop")
     return k_buf, v_buf, k_buf, v_buf, jnp.int32(0)
+
+
+def _ring_halo_update(k_buf, v_buf, k, v, pos, valid, axis):
+    """A sliding layer's ring of R slots when each device's slice k, v [B, t, H, D] of the
+    chunk holds at least R keys (t >= R). Each device sends only its slice's last R real
+    keys (its tail), and one all-gather of the P tails gives every device both things it
+    needs: the halo of its queries (the R keys before its slice: the previous device's tail)
+    and the ring's new contents (the chunk's last R real keys: in the last tail that holds
+    real keys, or split between it and the one before). A device receives (P - 1) R keys per
+    layer instead of the chunk's (P - 1) t, and since every device gathers the same tails,
+    the ring stays replicated without a reduction.
+
+    Returns what cache.chunk_update returns, for this device's queries: the slab is the R
+    keys before the slice (device 0: the old ring in position order) then the slice, rolled
+    left by R - n (n real keys before the slice: min(pos, R) on device 0, R elsewhere) so the
+    unwritten ring slots sit after every query; the ring is written in place."""
+    i = jax.lax.axis_index(axis)
+    t, size = k.shape[1], k_buf.shape[1]
+
+    def tail_end(d):  # one past device d's last real key in its slice, at least R
+        return jnp.clip(valid - d * t, size, t)
+
+    def gather_tails(x):  # [B, P R, H, D]: device d's tail at d R ..
+        mine = jax.lax.dynamic_slice_in_dim(x, tail_end(i) - size, size, axis=1)
+        return jax.lax.all_gather(mine, axis, axis=1, tiled=True, to="invarying")
+
+    k_tails, v_tails = gather_tails(k), gather_tails(v)
+    # The old ring in position order (pos-R .. pos-1) and the tails, materialized together:
+    # the ring writes below take their values from this barrier's tails, so XLA reads the old
+    # ring before it writes the buffer in place (cache.chunk_update says why that matters).
+    # Every input is the same on all devices, so the outputs stay invariant over the axis.
+    k_ring, v_ring, k_tails, v_tails = jax.lax.optimization_barrier(
+        (jnp.roll(k_buf, -(pos % size), axis=1), jnp.roll(v_buf, -(pos % size), axis=1),
+         k_tails, v_tails))
+    n = jnp.where(i == 0, jnp.minimum(pos, size), size)
+
+    def slab(ring, x, tails):
+        # On device i > 0 the previous tail is the R keys before the slice whenever one of
+        # the slice's queries is real (valid > i t); otherwise none of its rows is used.
+        halo = jax.lax.dynamic_slice_in_dim(tails, jnp.maximum(i - 1, 0) * size, size, axis=1)
+        before = jnp.where(i == 0, ring, halo)
+        return jnp.roll(jnp.concatenate([before, x], axis=1), -(size - n), axis=1)
+
+    k_view, v_view = slab(k_ring, k, k_tails), slab(v_ring, v, v_tails)
+
+    # The chunk's last R real keys, c = valid - R .. valid - 1 (those before the chunk stay):
+    # key c is in device d = c // t's tail, which starts at d t + tail_end(d) - R.
+    c = valid - size + jnp.arange(size, dtype=jnp.int32)
+    d = jnp.maximum(c, 0) // t
+    src = d * size + c - d * t - (tail_end(d) - size)
+    slots = jnp.where(c >= 0, (pos + c) % size, size)  # size: out of range, dropped
+    k_buf = k_buf.at[:, slots].set(jnp.take(k_tails, src, axis=1, mode="clip"), mode="drop")
+    v_buf = v_buf.at[:, slots].set(jnp.take(v_tails, src, axis=1, mode="clip"), mode="drop")
+    # Attention reads the views only once the ring is written (cache.chunk_update says why).
+    # A barrier's outputs vary over the axis if any input does, so the replicated ring goes in
+    # as a varying copy of itself, only to order the two.
+    ring = (jax.lax.pcast((k_buf, v_buf), axis, to="varying") if hasattr(jax.lax, "pcast")
+            else jax.lax.pvary((k_buf, v_buf), axis))  # jax before pcast
+    k_view, v_view, _ = jax.lax.optimization_barrier((k_view, v_view, ring))
+    return k_buf, v_buf, k_view, v_view, (pos + i * t - n).astype(jnp.int32)
 
 
 def attention(q, k, v, kv_offset, attn, *, window, pos):
