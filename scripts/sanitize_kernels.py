@@ -130,23 +130,20 @@ def _with_env(name, value, checks):
         yield from checks
 
 
-def check_prefill_two_gpus():
-    """Context-parallel chunked prefill over 2 GPUs (every kernel inside shard_map, the NCCL
-    collectives between them) against the same prefill on one GPU, W4A8 linears."""
+# The model of the prefill groups: both attention geometries (D=256 sliding with a window of
+# 128, D=512 global with K=V and 2:1 GQA), chunks of 256 over a 1000-token prompt.
+PREFILL_RUN = dict(chunk_size=256, max_cache_len=1024)
+
+
+def _prefill_model(seed, backend):
+    """The 4-layer model with W4A8 linears: it runs every kernel family (quantizer, GEMM, both
+    attention geometries); dense linears would add only XLA's GEMMs and, under the sanitizer,
+    minutes of compiling (tests/test_parallel_chunked.py runs them on two GPUs)."""
     from flax import nnx
-    from jax.sharding import Mesh
 
     from jax_mila import gemma4
     from jax_mila.gemma4.config import Gemma4Config
 
-    from jax.experimental import multihost_utils
-
-    # Under jax.distributed, jax.devices() lists every process's GPUs.
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    if len(gpus) < 2:
-        raise RuntimeError(f"prefill_cp2 needs 2 GPUs, found {len(gpus)}")
-    # Several processes must build the same model and prompt: process 0's draws for all.
-    shared = lambda x: np.asarray(multihost_utils.broadcast_one_to_all(x))  # noqa: E731
     sliding, full = "sliding_attention", "full_attention"
     cfg = Gemma4Config.from_dict(dict(
         model_type="gemma4_text", final_logit_softcapping=30.0, vocab_size=512, hidden_size=256,
@@ -154,26 +151,57 @@ def check_prefill_two_gpus():
         head_dim=256, global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True,
         layer_types=[sliding, full, sliding, full], sliding_window=128,
         hidden_size_per_layer_input=0))
+    return gemma4.Gemma4ForCausalLM(cfg, dtype=jnp.bfloat16, backend=backend, quantize="w4a8",
+                                    rngs=nnx.Rngs(seed))
+
+
+def _relative(got, want):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.all(np.isfinite(got))
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def check_prefill_one_gpu():
+    """The prefill_cp2 model and prompt on one GPU without a mesh or jax.distributed, against
+    the same weights through the reference ops: whether a whole-model program alone crashes
+    the sanitizer (prefill_cp2 did, eighth round; so did pytest, on one GPU)."""
+    from jax_mila import gemma4
+
+    seed = int(RNG.integers(1 << 30))
+    ids = jnp.asarray(RNG.integers(3, 512, (2, 1000)).astype(np.int32))
+    got, _ = gemma4.prefill(_prefill_model(seed, "auto"), ids, **PREFILL_RUN)
+    want, _ = gemma4.prefill(_prefill_model(seed, "reference"), ids, **PREFILL_RUN)
+    rel = _relative(got, want)
+    assert rel < 0.05, (seed, rel)  # bf16 noise is ~1e-2; a broken kernel is O(1)
+    yield f"prefill on 1 GPU: logits {rel:.1e} from the reference ops"
+
+
+def check_prefill_two_gpus():
+    """Context-parallel chunked prefill over 2 GPUs (every kernel inside shard_map, the NCCL
+    collectives between them) against the same prefill on one GPU."""
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh
+
+    from jax_mila import gemma4
+
+    # Under jax.distributed, jax.devices() lists every process's GPUs.
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if len(gpus) < 2:
+        raise RuntimeError(f"prefill_cp2 needs 2 GPUs, found {len(gpus)}")
+    # Several processes must build the same model and prompt: process 0's draws for all.
+    shared = lambda x: np.asarray(multihost_utils.broadcast_one_to_all(x))  # noqa: E731
     ids = jnp.asarray(shared(RNG.integers(3, 512, (2, 1000)).astype(np.int32)))
-    run = dict(chunk_size=256, max_cache_len=1024)
-    # W4A8 linears: the model then runs every kernel family (quantizer, GEMM, both attention
-    # geometries); dense linears would add only XLA's GEMMs and, under the sanitizer, minutes
-    # of compiling (tests/test_parallel_chunked.py runs them on two GPUs).
-    for quantize in ("w4a8",):
-        seed = int(shared(np.int32(RNG.integers(1 << 30))))
-        model = gemma4.Gemma4ForCausalLM(cfg, dtype=jnp.bfloat16, backend="auto",
-                                         quantize=quantize, rngs=nnx.Rngs(seed))
-        one, _ = gemma4.prefill(model, ids, **run)
-        # A line per stage: the sanitizer has crashed inside this check (eighth round) with
-        # nothing printed, while collectives_cp2 ran clean; this says which prefill it was in.
-        yield f"prefill on 1 GPU (the oracle), quantize={quantize}"
-        got, _ = gemma4.prefill(model, ids, mesh=Mesh(np.array(gpus[:2]), ("seq",)),
-                                seq_segments=4, **run)
-        got, one = np.asarray(got, np.float32), np.asarray(one, np.float32)
-        assert np.all(np.isfinite(got)), (quantize, seed)
-        rel = float(np.linalg.norm(got - one) / np.linalg.norm(one))
-        assert rel < 0.05, (quantize, seed, rel)  # bf16 noise is ~1e-2; a wrong merge is O(1)
-        yield f"prefill over 2 GPUs (seq axis), quantize={quantize}: logits {rel:.1e} from 1 GPU"
+    seed = int(shared(np.int32(RNG.integers(1 << 30))))
+    model = _prefill_model(seed, "auto")
+    one, _ = gemma4.prefill(model, ids, **PREFILL_RUN)
+    # A line per stage: the sanitizer has crashed inside this check (eighth round) with
+    # nothing printed, while collectives_cp2 ran clean; this says which prefill it was in.
+    yield "prefill on 1 GPU (the oracle)"
+    got, _ = gemma4.prefill(model, ids, mesh=Mesh(np.array(gpus[:2]), ("seq",)),
+                            seq_segments=4, **PREFILL_RUN)
+    rel = _relative(got, one)
+    assert rel < 0.05, (seed, rel)  # bf16 noise is ~1e-2; a wrong merge is O(1)
+    yield f"prefill over 2 GPUs (seq axis): logits {rel:.1e} from 1 GPU"
 
 
 def check_collectives_two_gpus():
@@ -206,7 +234,8 @@ OPS = {"quantize": check_quantize, "d256": lambda: check_attention(256),
        "d512": lambda: check_attention(512),
        "d256_mma": lambda: _with_env("JAX_MILA_FLASH256_SM90", "0", check_attention(256)),
        "d512_mma": lambda: _with_env("JAX_MILA_FLASH512_SM90", "0", check_attention(512)),
-       "w4a8": check_w4a8, "prefill_cp2": check_prefill_two_gpus,
+       "w4a8": check_w4a8, "prefill_1gpu": check_prefill_one_gpu,
+       "prefill_cp2": check_prefill_two_gpus,
        "collectives_cp2": check_collectives_two_gpus}
 
 
