@@ -64,10 +64,13 @@ def assert_close_logits(actual, expected):
 
 
 def assert_same_cache(test, a, b):
-    """Every buffer within 1e-5 of its largest magnitude, the logits' criterion: the K/V of
-    later layers come from hidden states that went through the same reordered float32 sums
-    (a run put one of the E2B-like model's 1.3e-5 off at 0.15, in a buffer holding values
-    above 2); a key in the wrong slot is off by O(0.1)."""
+    """Every buffer within 1e-4 of its largest magnitude. The K/V of later layers come from
+    hidden states that went through reordered float32 sums, and this random 8-layer model
+    amplifies that: E2B-like, prompt_seed 2101812063, length 20, put buffer 12 1.3e-5 x its
+    magnitude (2.5) from the one-shot prefill at chunk 3, and 1.1e-5 x at chunk 20 and 21,
+    where one chunk holds the whole prompt (so no chunk boundary is involved); 1e-5 x failed
+    there. A key in the wrong slot or position is off by O(0.1) x: 1e-4 keeps a 1000x
+    margin over that and ~7x over the noise measured."""
     test.assertEqual(int(a.length), int(b.length))
     test.assertEqual(a.max_len, b.max_len)
     for i, (x, y) in enumerate(zip(a.keys + a.values, b.keys + b.values)):
@@ -76,7 +79,7 @@ def assert_same_cache(test, a, b):
             test.assertEqual((x.shape, x.dtype), (y.shape, y.dtype))
             x, y = np.asarray(x), np.asarray(y)
             scale = max(1.0, float(np.max(np.abs(y))))
-            np.testing.assert_allclose(x, y, atol=1e-5 * scale, rtol=0, err_msg=f"buffer {i}")
+            np.testing.assert_allclose(x, y, atol=1e-4 * scale, rtol=0, err_msg=f"buffer {i}")
 
 
 class ChunkedPrefillTest(parameterized.TestCase):
