@@ -155,6 +155,20 @@ def _prefill_model(seed, backend):
                                     rngs=nnx.Rngs(seed))
 
 
+def _prefill_prompt():
+    return jnp.asarray(RNG.integers(3, 512, (2, 1000)).astype(np.int32))  # the model's vocab
+
+
+def _two_gpu_mesh(group):
+    """A `seq` mesh of two GPUs (under jax.distributed, jax.devices() lists every process's)."""
+    from jax.sharding import Mesh
+
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if len(gpus) < 2:
+        raise RuntimeError(f"{group} needs 2 GPUs, found {len(gpus)}")
+    return Mesh(np.array(gpus[:2]), ("seq",))
+
+
 def _relative(got, want):
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.all(np.isfinite(got))
@@ -168,7 +182,7 @@ def check_prefill_one_gpu():
     from jax_mila import gemma4
 
     seed = int(RNG.integers(1 << 30))
-    ids = jnp.asarray(RNG.integers(3, 512, (2, 1000)).astype(np.int32))
+    ids = _prefill_prompt()
     got, _ = gemma4.prefill(_prefill_model(seed, "auto"), ids, **PREFILL_RUN)
     want, _ = gemma4.prefill(_prefill_model(seed, "reference"), ids, **PREFILL_RUN)
     rel = _relative(got, want)
@@ -180,25 +194,20 @@ def check_prefill_two_gpus():
     """Context-parallel chunked prefill over 2 GPUs (every kernel inside shard_map, the NCCL
     collectives between them) against the same prefill on one GPU."""
     from jax.experimental import multihost_utils
-    from jax.sharding import Mesh
 
     from jax_mila import gemma4
 
-    # Under jax.distributed, jax.devices() lists every process's GPUs.
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    if len(gpus) < 2:
-        raise RuntimeError(f"prefill_cp2 needs 2 GPUs, found {len(gpus)}")
+    mesh = _two_gpu_mesh("prefill_cp2")
     # Several processes must build the same model and prompt: process 0's draws for all.
     shared = lambda x: np.asarray(multihost_utils.broadcast_one_to_all(x))  # noqa: E731
-    ids = jnp.asarray(shared(RNG.integers(3, 512, (2, 1000)).astype(np.int32)))
+    ids = jnp.asarray(shared(_prefill_prompt()))
     seed = int(shared(np.int32(RNG.integers(1 << 30))))
     model = _prefill_model(seed, "auto")
     one, _ = gemma4.prefill(model, ids, **PREFILL_RUN)
     # A line per stage: the sanitizer has crashed inside this check (eighth round) with
     # nothing printed, while collectives_cp2 ran clean; this says which prefill it was in.
     yield "prefill on 1 GPU (the oracle)"
-    got, _ = gemma4.prefill(model, ids, mesh=Mesh(np.array(gpus[:2]), ("seq",)),
-                            seq_segments=4, **PREFILL_RUN)
+    got, _ = gemma4.prefill(model, ids, mesh=mesh, seq_segments=4, **PREFILL_RUN)
     rel = _relative(got, one)
     assert rel < 0.05, (seed, rel)  # bf16 noise is ~1e-2; a wrong merge is O(1)
     yield f"prefill over 2 GPUs (seq axis): logits {rel:.1e} from 1 GPU"
@@ -208,12 +217,9 @@ def check_collectives_two_gpus():
     """One all-gather and one psum over 2 GPUs and none of our kernels: whether the sanitizer
     itself survives NCCL here (it segfaulted in every prefill_cp2 run, seventh and eighth
     rounds)."""
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import PartitionSpec as P
 
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    if len(gpus) < 2:
-        raise RuntimeError(f"collectives_cp2 needs 2 GPUs, found {len(gpus)}")
-    mesh = Mesh(np.array(gpus[:2]), ("seq",))
+    mesh = _two_gpu_mesh("collectives_cp2")
 
     def body(x):
         return jax.lax.psum(jax.lax.all_gather(x, "seq", tiled=True), "seq")

@@ -231,8 +231,7 @@ def _ring_halo_update(k_buf, v_buf, k, v, pos, valid, axis):
     # Attention reads the views only once the ring is written (cache.chunk_update says why).
     # A barrier's outputs vary over the axis if any input does, so the replicated ring goes in
     # as a varying copy of itself, only to order the two.
-    ring = (jax.lax.pcast((k_buf, v_buf), axis, to="varying") if hasattr(jax.lax, "pcast")
-            else jax.lax.pvary((k_buf, v_buf), axis))  # jax before pcast
+    ring = jax.lax.pcast((k_buf, v_buf), axis, to="varying")
     k_view, v_view, _ = jax.lax.optimization_barrier((k_view, v_view, ring))
     return k_buf, v_buf, k_view, v_view, (pos + i * t - n).astype(jnp.int32)
 
