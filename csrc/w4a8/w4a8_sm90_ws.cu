@@ -101,6 +101,11 @@ static_assert(kConsumerThreads * kConsumerRegs + (kThreads - kConsumerThreads) *
                   65536 / kThreads / 8 * 8 * kThreads,
               "setmaxnreg redistributes only the registers the CTA was launched with");
 static_assert(kOutBytes % 16 == 0 && kBarOffset % 8 == 0, "alignment");
+// The consumers load a row's packed words of one stage with one 16-byte load per quad column
+// and its exponents with one 4-byte load.
+static_assert(kKBlocks == 4 && kPackedTile == 4 * 16 && (kWOffset | kWStage) % 16 == 0 &&
+                  (kEOffset | kEStage) % 4 == 0,
+              "alignment of the consumers' weight loads");
 
 // ---- PTX (sm_90a) ---------------------------------------------------------------------------
 
@@ -279,18 +284,36 @@ __global__ void __launch_bounds__(kThreads, 1)
       ptx::cp_async_commit();
     }
 
-    // A fragment of block kb of stage s: {row g k 4q.., row g+8 k 4q.., row g k 16+4q.., row g+8
-    // k 16+4q..} from the stage's packed rows (64 bytes each; a warp reads 512 contiguous bytes
-    // per block and row half).
-    auto convert = [&](uint32_t s, int kb, uint32_t (&a)[4]) {
+    // This thread's two weight rows of one stage: its word of each block (the 8 codes of k
+    // 4q.. and 16+4q..; kernel order puts the four blocks' words of quad column q in bytes
+    // 16q..16q+15) and the row's four block exponents (byte kb). Loaded whole right after the
+    // stage's full barrier, ahead of the interleaved conversion: per-block loads put a
+    // shared-memory round trip in front of every block's conversion (ncu: short-scoreboard
+    // stalls at the exponent IMADs), and their 4-byte words at a 16-byte stride hit each bank
+    // 4 times per warp. Held, they cost 10 registers per stage, which the 240 cover.
+    struct RowWords {
+      uint4 w;
+      uint32_t e;
+    };
+    // A warp reads 512 contiguous bytes per row half (four 128-byte wavefronts, no conflicts)
+    // and 8 exponent words, each broadcast to its quad.
+    auto load_rows = [&](uint32_t s, RowWords (&r)[2]) {
       const uint8_t* sw = smem + kWOffset + s * kWStage;
       const uint8_t* se = smem + kEOffset + s * kEStage;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = wrow0 + 8 * h;
-        const uint32_t word =
-            *reinterpret_cast<const uint32_t*>(sw + row * kPackedTile + q * 16 + kb * 4);
-        word_to_e4m3(word, se[row * kKBlocks + kb], lut[h], a[h], a[2 + h]);
+        r[h].w = *reinterpret_cast<const uint4*>(sw + row * kPackedTile + q * 16);
+        r[h].e = *reinterpret_cast<const uint32_t*>(se + row * kKBlocks);
+      }
+    };
+    // A fragment of block kb: {row g k 4q.., row g+8 k 4q.., row g k 16+4q.., row g+8 k 16+4q..}.
+    auto convert = [&](const RowWords (&r)[2], int kb, uint32_t (&a)[4]) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4& w = r[h].w;
+        const uint32_t word = kb == 0 ? w.x : kb == 1 ? w.y : kb == 2 ? w.z : w.w;
+        word_to_e4m3(word, (r[h].e >> (8 * kb)) & 0xFFu, lut[h], a[h], a[2 + h]);
       }
     };
 
@@ -320,9 +343,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         st[c] = pos.stage;
         sx[c] = smem_base + st[c] * kXStage;
         mbar_wait(full_bar + 8 * st[c], pos.phase);
+        RowWords rows[2];
+        load_rows(st[c], rows);
 #pragma unroll
         for (int kb = 0; kb < kKBlocks; ++kb) {
-          convert(st[c], kb, a[c][kb]);
+          convert(rows, kb, a[c][kb]);
           ptx::sm90::wgmma_fence();  // the fragment's registers were just written
           const uint64_t desc = ptx::sm90::desc_k128b(sx[c] + kb * 32);
           if (c == 0 && kb == 0)
