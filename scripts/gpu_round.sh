@@ -186,7 +186,7 @@ sanitize() {  # tool, op group
   done
   echo "   $tool $op: exit $rc; $(grep -h -E "ERROR SUMMARY|RACECHECK SUMMARY|^FAIL" "$log" | tr '\n' ' ')"
   # What a crashed attempt reported before the tool died still counts.
-  for f in "${log%.log}"*.crashed*; do
+  for f in "$log".crashed* "${log%.log}"_p?.txt.crashed*; do
     [ -e "$f" ] && echo "   $tool $op, $(basename "$f"): $(grep -h -E "ERROR SUMMARY|RACECHECK SUMMARY|^FAIL|^=+ (Invalid|Uninitialized|Race|Barrier)" "$f" | sort | uniq -c | tr '\n' ' ')"
   done
   return $rc
