@@ -86,6 +86,19 @@
 // before any multicast or remote arrival) and at the end (no CTA exits while the other may
 // still arrive on its barriers); the full barriers are waited with acquire.cluster.
 //
+// Split softmax (kSplit, the default on this branch; JAX_MILA_FLASH512_SM90_SOFTMAX=shared for
+// the scheme above): after the S wgmmas consumer c finishes S only for its key half (keys
+// 32c..32c+31), so each exponential is computed once per CTA instead of once per consumer:
+// (A) it sends the other key half of its D-half partial (8 KB) and adds the other's partial of
+// its own half, (B) the two consumers swap their halves' row maxima, (C) they swap their
+// halves' P fragments (thread ct of both holds the same rows and keys, so each exchange is a
+// copy at index ct); l is summed over both halves once, at the end. ncu (ninth round) put 15%
+// of the consumers' stall samples in the exchange and 15% in the softmax. First H200 run (the
+// build before the __syncwarp()s): 457.7-507.5 / 467.9-468.6 TFLOP/s at 16K / 32K against
+// 453.9 / 434.1 for the shared scheme in the same round; memcheck, initcheck and racecheck
+// clean; synccheck reported divergent warps at the named barrier (fixed by __syncwarp, not yet
+// rerun); the test run timed out after 21 passing cases.
+//
 // Measured on the H200 (S=16K, docs/performance.md): 474 TFLOP/s, tensor pipe 52% busy, issue
 // slots 31%, top stall the consumers' barrier. Each tile runs S wgmma, exchange, softmax, PV
 // wgmma and the next single-buffered K/V copy in series. Not yet (next steps of issue 7): a
@@ -98,6 +111,8 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <string>
+#include <type_traits>
 
 #include "common/attention_params.h"
 #include "common/key_tiles.cuh"
@@ -123,6 +138,14 @@ constexpr int kOffK = kOffQ + kTileBytes;
 constexpr int kOffV = kOffK + kTileBytes;
 constexpr int kOffRed = kOffV + kTileBytes;              // float4 [2][8][128]
 constexpr int kOffBar = kOffRed + 2 * 8 * 128 * 16;      // 5 x uint64
+// The split softmax's exchange buffers, inside the red region (one scheme per launch): per
+// consumer c, S partials of the other's key half (float4 [4][128]), P fragments of its own
+// key half (uint4 [2][128]), row maxima (float [64]) and, at the end, row sums (float [64]).
+constexpr int kOffXs = kOffRed;                          // float4 [2][4][128]
+constexpr int kOffXp = kOffXs + 2 * 4 * 128 * 16;        // uint4 [2][2][128]
+constexpr int kOffXm = kOffXp + 2 * 2 * 128 * 16;        // float [2][64]
+constexpr int kOffXl = kOffXm + 2 * 64 * 4;              // float [2][64]
+static_assert(kOffXl + 2 * 64 * 4 <= kOffBar, "the split exchange fits the red region");
 constexpr int kSmemBytes = kOffBar + 5 * 8 + 1024;       // + slack to align the base
 static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory per block is 227 KB");
 // setmaxnreg targets per variant (ptxas allocates each role's code within its target): the
@@ -138,7 +161,7 @@ constexpr int kConsumerRegs = kCluster == 1 ? 240 : 232;
 
 [[maybe_unused]] __device__ __forceinline__ float NegInf() { return __int_as_float(0xff800000); }
 
-template <int kCluster>
+template <int kCluster, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1)
     Flash512Sm90Kernel(const __grid_constant__ CUtensorMap tm_q,
                        const __grid_constant__ CUtensorMap tm_k,
@@ -291,183 +314,313 @@ __global__ void __launch_bounds__(kThreads, 1)
   float4* red_mine = reinterpret_cast<float4*>(smem + kOffRed) + c * (8 * 128);
   const float4* red_other = reinterpret_cast<const float4*>(smem + kOffRed) + (1 - c) * (8 * 128);
 
-  float o[128];
+  // The consumer's main loop and epilogue, for key half kHalf (= c; a compile-time index into
+  // the accumulator registers, used by the split softmax only).
+  auto consume = [&](auto half) {
+    [[maybe_unused]] constexpr int kHalf = decltype(half)::value;
+    float o[128];
 #pragma unroll
-  for (int i = 0; i < 128; ++i) o[i] = 0.f;
-  float m_run[2] = {NegInf(), NegInf()};
-  float l_run[2] = {0.f, 0.f};
-  const float scale_log2 = p.scale * kLog2e;
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    float m_run[2] = {NegInf(), NegInf()};
+    float l_run[2] = {0.f, 0.f};  // kSplit: over this consumer's key halves only
+    const float scale_log2 = p.scale * kLog2e;
 
-  if (first_tile.valid()) {
-    const uint32_t q_half = sQ + 4 * c * kColBlockBytes;
-    const uint32_t k_half = sK + 4 * c * kColBlockBytes;
-    const uint32_t v_half = sV + 4 * c * kColBlockBytes;
-    // S accumulators: the first wgmma of a tile ignores their value (scale-d = 0); zeroed once
-    // so that no indeterminate value is ever an asm operand.
-    float s[32];
+    if (first_tile.valid()) {
+      const uint32_t q_half = sQ + 4 * c * kColBlockBytes;
+      const uint32_t k_half = sK + 4 * c * kColBlockBytes;
+      const uint32_t v_half = sV + 4 * c * kColBlockBytes;
+      // S accumulators: the first wgmma of a tile ignores their value (scale-d = 0); zeroed once
+      // so that no indeterminate value is ever an asm operand.
+      float s[32];
 #pragma unroll
-    for (int e = 0; e < 32; ++e) s[e] = 0.f;
-    hx::mbar_wait(bar_q, 0);
-    int i = 0;
-    for (KeyTileCursor<kBlockN> tile = first_tile; tile.valid(); ++i) {
-      const int64_t kpos0 = tile.kpos0();  // position of the tile's first key
-      const int keys_left = tile.keys_left();
-      tile.Advance();  // tile.valid(): a next tile follows
-      const uint32_t parity = i & 1;
+      for (int e = 0; e < 32; ++e) s[e] = 0.f;
+      hx::mbar_wait(bar_q, 0);
+      int i = 0;
+      for (KeyTileCursor<kBlockN> tile = first_tile; tile.valid(); ++i) {
+        const int64_t kpos0 = tile.kpos0();  // position of the tile's first key
+        const int keys_left = tile.keys_left();
+        tile.Advance();  // tile.valid(): a next tile follows
+        const uint32_t parity = i & 1;
 
-      // ---- S_c = Q[:, D half c] K[:, D half c]^T (64 x 64, fp32).
-      wait_full(bar_k_full, parity);
-      hx::wgmma_fence();
+        // ---- S_c = Q[:, D half c] K[:, D half c]^T (64 x 64, fp32).
+        wait_full(bar_k_full, parity);
+        hx::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < 16; ++kk) {
-        const uint32_t off = (kk >> 2) * kColBlockBytes + (kk & 3) * 32;
-        const uint64_t da = hx::desc_sw128(q_half + off, 16, 1024);
-        const uint64_t db = hx::desc_sw128(k_half + off, 16, 1024);
-        if (kk == 0) {
-          hx::wgmma_m64n64k16_ss<false>(s, da, db);
-        } else {
-          hx::wgmma_m64n64k16_ss<true>(s, da, db);
+        for (int kk = 0; kk < 16; ++kk) {
+          const uint32_t off = (kk >> 2) * kColBlockBytes + (kk & 3) * 32;
+          const uint64_t da = hx::desc_sw128(q_half + off, 16, 1024);
+          const uint64_t db = hx::desc_sw128(k_half + off, 16, 1024);
+          if (kk == 0) {
+            hx::wgmma_m64n64k16_ss<false>(s, da, db);
+          } else {
+            hx::wgmma_m64n64k16_ss<true>(s, da, db);
+          }
         }
-      }
-      hx::wgmma_commit();
-      hx::wgmma_wait<0>();
+        hx::wgmma_commit();
+        hx::wgmma_wait<0>();
 #pragma unroll
-      for (int e = 0; e < 32; ++e) hx::fence_operand(s[e]);
+        for (int e = 0; e < 32; ++e) hx::fence_operand(s[e]);
 
-      // ---- Exchange the D-half partials: S = S_c + S_{1-c} (same bits in both consumers).
-      // red[c] is rewritten here (tile i >= 1) only after consumer 1-c read it at tile i-1: it
-      // arrived on named barrier 2 + c after that read, this warpgroup syncs on it now (128 +
-      // 128 threads). The mbarrier chain red read -> k_empty -> producer -> k_full -> this
-      // write orders the two as well, but through the producer thread, which compute-sanitizer
-      // racecheck does not follow (it reported the pair); the barrier costs no wait in
-      // practice, the other consumer arrived a whole tile earlier.
-      if (i > 0) px::named_barrier_sync(2 + c, 256);
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        red_mine[j * 128 + ct] = make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
-      px::named_barrier_sync(1, 256);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float4 v = red_other[j * 128 + ct];
-        s[4 * j] += v.x;
-        s[4 * j + 1] += v.y;
-        s[4 * j + 2] += v.z;
-        s[4 * j + 3] += v.w;
-      }
-      // Done reading red[1-c]: its writer may refill it at the next tile (none after the last,
-      // so every phase of barriers 2 and 3 completes: n - 1 arrivals and n - 1 syncs each).
-      if (tile.valid()) hx::named_barrier_arrive(2 + (1 - c), 256);
-      // This warp is done with K_i (wgmmas retired) and with red[1-c] of tile i.
-      release(k_empty_own, k_empty_peer);
-
-      // ---- Online softmax on rows 16wq+g (+8), keys n0 + 8j + 2t4 + {0,1}.
-      const bool need_mask = (keys_left < kBlockN) ||
-                             (p.causal && kpos0 + kBlockN - 1 > qpos_min) ||
-                             (p.window > 0 && kpos0 + p.window <= qpos_max);
-#pragma unroll
-      for (int e = 0; e < 32; ++e) s[e] *= scale_log2;
-      if (need_mask) {
-#pragma unroll
-        for (int e = 0; e < 32; ++e) {
+        const bool need_mask = (keys_left < kBlockN) ||
+                               (p.causal && kpos0 + kBlockN - 1 > qpos_min) ||
+                               (p.window > 0 && kpos0 + p.window <= qpos_max);
+        // Accumulator element e holds row 16wq+g (+8 if bit 1 of e), key n0 + 8(e/4) + 2t4
+        // (+1 if bit 0 of e): -inf where that key is not visible to that row.
+        auto mask = [&](float& x, int e) {
           const int kofs = 8 * (e >> 2) + 2 * t4 + (e & 1);  // key - n0
           const int64_t delta = static_cast<int64_t>(q_off) + tq[(e >> 1) & 1] - kpos0 - kofs;
           const bool visible = kofs < keys_left && (!p.causal || delta >= 0) &&
                                (p.window <= 0 || delta < p.window);
-          if (!visible) s[e] = NegInf();
+          if (!visible) x = NegInf();
+        };
+        // P as wgmma A fragments: k-step kk covers keys 16kk.. = accumulator n8 blocks 2kk, 2kk+1.
+        uint32_t pa[4][4];
+        float alpha[2];
+
+        if constexpr (!kSplit) {
+          // ---- Exchange the D-half partials: S = S_c + S_{1-c} (same bits in both consumers).
+          // red[c] is rewritten here (tile i >= 1) only after consumer 1-c read it at tile i-1: it
+          // arrived on named barrier 2 + c after that read, this warpgroup syncs on it now (128 +
+          // 128 threads). The mbarrier chain red read -> k_empty -> producer -> k_full -> this
+          // write orders the two as well, but through the producer thread, which compute-sanitizer
+          // racecheck does not follow (it reported the pair); the barrier costs no wait in
+          // practice, the other consumer arrived a whole tile earlier.
+          if (i > 0) px::named_barrier_sync(2 + c, 256);
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            red_mine[j * 128 + ct] =
+                make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
+          px::named_barrier_sync(1, 256);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float4 v = red_other[j * 128 + ct];
+            s[4 * j] += v.x;
+            s[4 * j + 1] += v.y;
+            s[4 * j + 2] += v.z;
+            s[4 * j + 3] += v.w;
+          }
+          // Done reading red[1-c]: its writer may refill it at the next tile (none after the last,
+          // so every phase of barriers 2 and 3 completes: n - 1 arrivals and n - 1 syncs each).
+          if (tile.valid()) hx::named_barrier_arrive(2 + (1 - c), 256);
+          // This warp is done with K_i (wgmmas retired) and with red[1-c] of tile i.
+          release(k_empty_own, k_empty_peer);
+
+          // ---- Online softmax on rows 16wq+g (+8), keys n0 + 8j + 2t4 + {0,1}.
+#pragma unroll
+          for (int e = 0; e < 32; ++e) s[e] *= scale_log2;
+          if (need_mask) {
+#pragma unroll
+            for (int e = 0; e < 32; ++e) mask(s[e], e);
+          }
+          float mx[2] = {NegInf(), NegInf()};
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
+            mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
+          }
+          float base_r[2], rowsum[2] = {0.f, 0.f};
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            const float m_new = fmaxf(m_run[r], mx[r]);
+            base_r[r] = m_new == NegInf() ? 0.f : m_new;  // all masked so far: exp2(-inf) = 0
+            alpha[r] = px::exp2_approx(m_run[r] - base_r[r]);
+            m_run[r] = m_new;
+          }
+#pragma unroll
+          for (int e = 0; e < 32; ++e) {
+            s[e] = px::exp2_approx(s[e] - base_r[(e >> 1) & 1]);
+            rowsum[(e >> 1) & 1] += s[e];
+          }
+#pragma unroll
+          for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rowsum[r];
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) {
+            pa[kk][0] = px::pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
+            pa[kk][1] = px::pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
+            pa[kk][2] = px::pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
+            pa[kk][3] = px::pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
+          }
+        } else {
+          // ---- Split softmax: consumer c finishes S only for its key half (keys 32c.., the
+          // accumulator elements 16c..16c+15), so each exponential is computed once per CTA, not
+          // once per consumer, and half the partials cross shared memory. Three exchanges, each
+          // behind one 256-thread barrier (id 1): (A) the other half of this consumer's partial,
+          // (B) row maxima of each half, (C) each half's P fragments. Every buffer is rewritten
+          // one tile later only after the barrier that follows its reader's read (xs: read
+          // before B; xm: before C; xp: before the next A), which this writer has passed by
+          // then, so bar.sync alone orders every reuse. Thread ct of both consumers holds the
+          // same rows and key columns of the accumulator (and of P's A fragments), so every
+          // exchange is a plain copy at index ct.
+          release(k_empty_own, k_empty_peer);  // this warp's S wgmmas retired: done with K_i
+          constexpr int kOther = 1 - kHalf;
+          float4* xs = reinterpret_cast<float4*>(smem + kOffXs);
+          uint4* xp = reinterpret_cast<uint4*>(smem + kOffXp);
+          float* xm = reinterpret_cast<float*>(smem + kOffXm);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int e = 16 * kOther + 4 * j;
+            xs[(kHalf * 4 + j) * 128 + ct] = make_float4(s[e], s[e + 1], s[e + 2], s[e + 3]);
+          }
+          // bar.sync is the .aligned barrier: each warp must reach it converged, and after the
+          // lane-0 arrival in release() (or the quad leaders' stores before B and the
+          // epilogue's) the compiler does not reconverge ahead of an asm barrier on its own
+          // (synccheck on the H200: "Divergent thread(s) in block" here, before __syncwarp).
+          __syncwarp();
+          px::named_barrier_sync(1, 256);  // (A)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int e = 16 * kHalf + 4 * j;
+            const float4 v = xs[(kOther * 4 + j) * 128 + ct];
+            s[e] += v.x;
+            s[e + 1] += v.y;
+            s[e + 2] += v.z;
+            s[e + 3] += v.w;
+          }
+#pragma unroll
+          for (int e = 16 * kHalf; e < 16 * kHalf + 16; ++e) s[e] *= scale_log2;
+          if (need_mask) {
+#pragma unroll
+            for (int e = 16 * kHalf; e < 16 * kHalf + 16; ++e) mask(s[e], e);
+          }
+          float mx[2] = {NegInf(), NegInf()};
+#pragma unroll
+          for (int j = 4 * kHalf; j < 4 * kHalf + 4; ++j) {
+            mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
+            mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
+          }
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+          }
+          const int row = 16 * wq + g;  // and row + 8
+          if (t4 == 0) {
+            xm[kHalf * 64 + row] = mx[0];
+            xm[kHalf * 64 + row + 8] = mx[1];
+          }
+          __syncwarp();
+          px::named_barrier_sync(1, 256);  // (B)
+          mx[0] = fmaxf(mx[0], xm[kOther * 64 + row]);
+          mx[1] = fmaxf(mx[1], xm[kOther * 64 + row + 8]);
+          // fmaxf is exact and commutative: both consumers hold the same maxima, bases and alphas.
+          float base_r[2], rowsum[2] = {0.f, 0.f};
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const float m_new = fmaxf(m_run[r], mx[r]);
+            base_r[r] = m_new == NegInf() ? 0.f : m_new;  // all masked so far: exp2(-inf) = 0
+            alpha[r] = px::exp2_approx(m_run[r] - base_r[r]);
+            m_run[r] = m_new;
+          }
+#pragma unroll
+          for (int e = 16 * kHalf; e < 16 * kHalf + 16; ++e) {
+            s[e] = px::exp2_approx(s[e] - base_r[(e >> 1) & 1]);
+            rowsum[(e >> 1) & 1] += s[e];
+          }
+#pragma unroll
+          for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rowsum[r];
+#pragma unroll
+          for (int kk = 2 * kHalf; kk < 2 * kHalf + 2; ++kk) {
+            pa[kk][0] = px::pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
+            pa[kk][1] = px::pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
+            pa[kk][2] = px::pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
+            pa[kk][3] = px::pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
+            xp[(kHalf * 2 + kk - 2 * kHalf) * 128 + ct] =
+                make_uint4(pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3]);
+          }
+          __syncwarp();
+          px::named_barrier_sync(1, 256);  // (C)
+#pragma unroll
+          for (int kk = 2 * kOther; kk < 2 * kOther + 2; ++kk) {
+            const uint4 v = xp[(kOther * 2 + kk - 2 * kOther) * 128 + ct];
+            pa[kk][0] = v.x;
+            pa[kk][1] = v.y;
+            pa[kk][2] = v.z;
+            pa[kk][3] = v.w;
+          }
         }
-      }
-      float mx[2] = {NegInf(), NegInf()};
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
-        mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
-      }
-      float base_r[2], alpha[2], rowsum[2] = {0.f, 0.f};
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        const float m_new = fmaxf(m_run[r], mx[r]);
-        base_r[r] = m_new == NegInf() ? 0.f : m_new;  // all masked so far: exp2(-inf) = 0
-        alpha[r] = px::exp2_approx(m_run[r] - base_r[r]);
-        m_run[r] = m_new;
-      }
-#pragma unroll
-      for (int e = 0; e < 32; ++e) {
-        s[e] = px::exp2_approx(s[e] - base_r[(e >> 1) & 1]);
-        rowsum[(e >> 1) & 1] += s[e];
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rowsum[r];
-#pragma unroll
-      for (int i2 = 0; i2 < 32; ++i2) {
-        o[4 * i2] *= alpha[0];
-        o[4 * i2 + 1] *= alpha[0];
-        o[4 * i2 + 2] *= alpha[1];
-        o[4 * i2 + 3] *= alpha[1];
-      }
-      // P as wgmma A fragments: k-step kk covers keys 16kk.. = accumulator n8 blocks 2kk, 2kk+1.
-      uint32_t pa[4][4];
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        pa[kk][0] = px::pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
-        pa[kk][1] = px::pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
-        pa[kk][2] = px::pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
-        pa[kk][3] = px::pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
-      }
+        for (int i2 = 0; i2 < 32; ++i2) {
+          o[4 * i2] *= alpha[0];
+          o[4 * i2 + 1] *= alpha[0];
+          o[4 * i2 + 2] *= alpha[1];
+          o[4 * i2 + 3] *= alpha[1];
+        }
 
-      // ---- O_c += P V[:, 256c : 256c+256].
-      wait_full(bar_v_full, parity);
-      // Pin the rescaled O and the P fragments before the fence that orders these register
-      // writes ahead of the wgmmas (the compiler may not sink them past it).
+        // ---- O_c += P V[:, 256c : 256c+256].
+        wait_full(bar_v_full, parity);
+        // Pin the rescaled O and the P fragments before the fence that orders these register
+        // writes ahead of the wgmmas (the compiler may not sink them past it).
 #pragma unroll
-      for (int e = 0; e < 128; ++e) hx::fence_operand(o[e]);
+        for (int e = 0; e < 128; ++e) hx::fence_operand(o[e]);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
+        for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) hx::fence_operand(pa[kk][e]);
-      hx::wgmma_fence();
+          for (int e = 0; e < 4; ++e) hx::fence_operand(pa[kk][e]);
+        hx::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        hx::wgmma_m64n256k16_rs_tb(o, pa[kk],
-                                   hx::desc_sw128(v_half + kk * 16 * 128, kColBlockBytes, 1024));
+        for (int kk = 0; kk < 4; ++kk) {
+          hx::wgmma_m64n256k16_rs_tb(o, pa[kk],
+                                     hx::desc_sw128(v_half + kk * 16 * 128, kColBlockBytes, 1024));
+        }
+        hx::wgmma_commit();
+        hx::wgmma_wait<0>();
+#pragma unroll
+        for (int e = 0; e < 128; ++e) hx::fence_operand(o[e]);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) hx::fence_operand(pa[kk][e]);
+        release(v_empty_own, v_empty_peer);
       }
-      hx::wgmma_commit();
-      hx::wgmma_wait<0>();
-#pragma unroll
-      for (int e = 0; e < 128; ++e) hx::fence_operand(o[e]);
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) hx::fence_operand(pa[kk][e]);
-      release(v_empty_own, v_empty_peer);
     }
-  }
 
-  // ---- Epilogue: row sums over the quad, lse (consumer 0), O / l in bf16.
-  float inv[2];
+    // ---- Epilogue: row sums over the quad (kSplit: and over both consumers' key halves), lse
+    // (consumer 0), O / l in bf16.
+    float inv[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-    inv[r] = l_run[r] > 0.f ? 1.f / l_run[r] : 0.f;
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int pr = m0 + 16 * wq + g + 8 * r;
-    if (pr >= rows_total) continue;
-    const int tq_r = pr / G, gq = pr % G;
-    if (c == 0 && t4 == 0 && p.lse != nullptr) {
-      p.lse[(static_cast<size_t>(b) * p.hq + h * G + gq) * p.t + tq_r] =
-          l_run[r] > 0.f ? (m_run[r] + log2f(l_run[r])) * kLn2 : NegInf();
+    for (int r = 0; r < 2; ++r) {
+      l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+      l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
     }
-    __nv_bfloat16* orow =
-        p.o + ((static_cast<size_t>(b) * p.t + tq_r) * p.hq + h * G + gq) * kD + 256 * c + 2 * t4;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      *reinterpret_cast<uint32_t*>(orow + 8 * j) =
-          px::pack_bf16x2(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+    if constexpr (kSplit) {
+      // Both consumers take this path, tiles or not. xl is written once, after the last (C).
+      float* xl = reinterpret_cast<float*>(smem + kOffXl);
+      const int row = 16 * wq + g;
+      if (t4 == 0) {
+        xl[kHalf * 64 + row] = l_run[0];
+        xl[kHalf * 64 + row + 8] = l_run[1];
+      }
+      __syncwarp();
+      px::named_barrier_sync(1, 256);
+      l_run[0] += xl[(1 - kHalf) * 64 + row];  // the same sum in both: fp32 + commutes
+      l_run[1] += xl[(1 - kHalf) * 64 + row + 8];
     }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) inv[r] = l_run[r] > 0.f ? 1.f / l_run[r] : 0.f;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int pr = m0 + 16 * wq + g + 8 * r;
+      if (pr >= rows_total) continue;
+      const int tq_r = pr / G, gq = pr % G;
+      if (c == 0 && t4 == 0 && p.lse != nullptr) {
+        p.lse[(static_cast<size_t>(b) * p.hq + h * G + gq) * p.t + tq_r] =
+            l_run[r] > 0.f ? (m_run[r] + log2f(l_run[r])) * kLn2 : NegInf();
+      }
+      __nv_bfloat16* orow =
+          p.o + ((static_cast<size_t>(b) * p.t + tq_r) * p.hq + h * G + gq) * kD + 256 * c + 2 * t4;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        *reinterpret_cast<uint32_t*>(orow + 8 * j) =
+            px::pack_bf16x2(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+      }
+    }
+  };
+  if (kSplit && c == 1) {
+    consume(std::integral_constant<int, 1>{});
+  } else {
+    consume(std::integral_constant<int, 0>{});
   }
   if constexpr (kCluster == 2) hx::cluster_sync();  // see the producer's
 #else
@@ -493,10 +646,21 @@ int ClusterSize() {
   return v;
 }
 
-template <int kCluster>
+// Developer knob, read once per process: JAX_MILA_FLASH512_SM90_SOFTMAX=shared computes the
+// whole tile's softmax in both consumers (the scheme before the split: one exchange of the
+// full partials, every exponential twice). The cluster variant always runs it.
+bool SplitSoftmax() {
+  static const bool v = [] {
+    const char* env = std::getenv("JAX_MILA_FLASH512_SM90_SOFTMAX");
+    return env == nullptr || std::string(env) != "shared";
+  }();
+  return v;
+}
+
+template <int kCluster, bool kSplit>
 cudaError_t LaunchKernel(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
                          const AttentionParams& p, int num_m_blocks, cudaStream_t stream) {
-  auto* kernel = Flash512Sm90Kernel<kCluster>;
+  auto* kernel = Flash512Sm90Kernel<kCluster, kSplit>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
@@ -552,9 +716,10 @@ cudaError_t LaunchFlashAttentionD512Sm90(const AttentionParams& p, cudaStream_t 
   const int64_t rows = static_cast<int64_t>(p.t) * G;
   const int64_t num_m_blocks = (rows + kBlockM - 1) / kBlockM;
   if (num_m_blocks > INT32_MAX - 1) return cudaErrorInvalidValue;
-  return ClusterSize() == 2
-             ? LaunchKernel<2>(tm_q, tm_k, tm_v, p, static_cast<int>(num_m_blocks), stream)
-             : LaunchKernel<1>(tm_q, tm_k, tm_v, p, static_cast<int>(num_m_blocks), stream);
+  const int m_blocks = static_cast<int>(num_m_blocks);
+  if (ClusterSize() == 2) return LaunchKernel<2, false>(tm_q, tm_k, tm_v, p, m_blocks, stream);
+  return SplitSoftmax() ? LaunchKernel<1, true>(tm_q, tm_k, tm_v, p, m_blocks, stream)
+                        : LaunchKernel<1, false>(tm_q, tm_k, tm_v, p, m_blocks, stream);
 }
 
 }  // namespace mila
