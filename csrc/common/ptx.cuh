@@ -111,6 +111,14 @@ __device__ __forceinline__ void named_barrier_sync(int id, int nthreads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
 }
 
+// The same barrier without .aligned: its threads may reach it from different instructions
+// (e.g. two template instances of one loop, one per warpgroup) and need not be converged.
+// bar.sync is barrier.sync.aligned, undefined in that case (compute-sanitizer synccheck:
+// "Divergent thread(s) in block").
+__device__ __forceinline__ void named_barrier_sync_unaligned(int id, int nthreads) {
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
+}
+
 }  // namespace mila::ptx
 
 // ---- w4a8 (FP8 activations x MXFP4 weights) --------------------------------

@@ -86,18 +86,18 @@
 // before any multicast or remote arrival) and at the end (no CTA exits while the other may
 // still arrive on its barriers); the full barriers are waited with acquire.cluster.
 //
-// Split softmax (kSplit, the default on this branch; JAX_MILA_FLASH512_SM90_SOFTMAX=shared for
-// the scheme above): after the S wgmmas consumer c finishes S only for its key half (keys
-// 32c..32c+31), so each exponential is computed once per CTA instead of once per consumer:
-// (A) it sends the other key half of its D-half partial (8 KB) and adds the other's partial of
-// its own half, (B) the two consumers swap their halves' row maxima, (C) they swap their
-// halves' P fragments (thread ct of both holds the same rows and keys, so each exchange is a
-// copy at index ct); l is summed over both halves once, at the end. ncu (ninth round) put 15%
-// of the consumers' stall samples in the exchange and 15% in the softmax. First H200 run (the
-// build before the __syncwarp()s): 457.7-507.5 / 467.9-468.6 TFLOP/s at 16K / 32K against
-// 453.9 / 434.1 for the shared scheme in the same round; memcheck, initcheck and racecheck
-// clean; synccheck reported divergent warps at the named barrier (fixed by __syncwarp, not yet
-// rerun); the test run timed out after 21 passing cases.
+// Split softmax (kSplit, the default; JAX_MILA_FLASH512_SM90_SOFTMAX=shared for the scheme
+// above): after the S wgmmas consumer c finishes S only for its key half (keys 32c..32c+31),
+// so each exponential is computed once per CTA instead of once per consumer: (A) it sends the
+// other key half of its D-half partial (8 KB) and adds the other's partial of its own half,
+// (B) the two consumers swap their halves' row maxima, (C) they swap their halves' P fragments
+// (thread ct of both holds the same rows and keys, so each exchange is a copy at index ct); l
+// is summed over both halves once, at the end. ncu (ninth round) put 15% of the consumers'
+// stall samples in the exchange and 15% in the softmax; the split made S=16K / 32K 8-11%
+// faster (docs/performance.md, tenth round). Each consumer runs its own template instance
+// (kHalf = c: the halves index registers), so the two meet at different barrier instructions,
+// which only the unaligned barrier.sync allows (bar.sync is .aligned: synccheck reported
+// "Divergent thread(s) in block").
 //
 // Measured on the H200 (S=16K, docs/performance.md): 474 TFLOP/s, tensor pipe 52% busy, issue
 // slots 31%, top stall the consumers' barrier. Each tile runs S wgmma, exchange, softmax, PV
@@ -463,12 +463,9 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int e = 16 * kOther + 4 * j;
             xs[(kHalf * 4 + j) * 128 + ct] = make_float4(s[e], s[e + 1], s[e + 2], s[e + 3]);
           }
-          // bar.sync is the .aligned barrier: each warp must reach it converged, and after the
-          // lane-0 arrival in release() (or the quad leaders' stores before B and the
-          // epilogue's) the compiler does not reconverge ahead of an asm barrier on its own
-          // (synccheck on the H200: "Divergent thread(s) in block" here, before __syncwarp).
-          __syncwarp();
-          px::named_barrier_sync(1, 256);  // (A)
+          // The two consumers run different instances of this code (kHalf), so they meet at
+          // different barrier instructions: every split-path barrier is the unaligned form.
+          px::named_barrier_sync_unaligned(1, 256);  // (A)
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             const int e = 16 * kHalf + 4 * j;
@@ -500,8 +497,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             xm[kHalf * 64 + row] = mx[0];
             xm[kHalf * 64 + row + 8] = mx[1];
           }
-          __syncwarp();
-          px::named_barrier_sync(1, 256);  // (B)
+          px::named_barrier_sync_unaligned(1, 256);  // (B)
           mx[0] = fmaxf(mx[0], xm[kOther * 64 + row]);
           mx[1] = fmaxf(mx[1], xm[kOther * 64 + row + 8]);
           // fmaxf is exact and commutative: both consumers hold the same maxima, bases and alphas.
@@ -529,8 +525,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             xp[(kHalf * 2 + kk - 2 * kHalf) * 128 + ct] =
                 make_uint4(pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3]);
           }
-          __syncwarp();
-          px::named_barrier_sync(1, 256);  // (C)
+          px::named_barrier_sync_unaligned(1, 256);  // (C)
 #pragma unroll
           for (int kk = 2 * kOther; kk < 2 * kOther + 2; ++kk) {
             const uint4 v = xp[(kOther * 2 + kk - 2 * kOther) * 128 + ct];
@@ -592,8 +587,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         xl[kHalf * 64 + row] = l_run[0];
         xl[kHalf * 64 + row + 8] = l_run[1];
       }
-      __syncwarp();
-      px::named_barrier_sync(1, 256);
+      px::named_barrier_sync_unaligned(1, 256);
       l_run[0] += xl[(1 - kHalf) * 64 + row];  // the same sum in both: fp32 + commutes
       l_run[1] += xl[(1 - kHalf) * 64 + row + 8];
     }
