@@ -99,8 +99,8 @@
 // which only the unaligned barrier.sync allows (bar.sync is .aligned: synccheck reported
 // "Divergent thread(s) in block").
 //
-// Measured on the H200 (S=16K, docs/performance.md): 474 TFLOP/s, tensor pipe 52% busy, issue
-// slots 31%, top stall the consumers' barrier. Each tile runs S wgmma, exchange, softmax, PV
+// Measured on the H200 (S=16K, docs/performance.md): 491-509 TFLOP/s with the split softmax
+// (474 before), tensor pipe 56% busy, issue slots 30%. Each tile runs S wgmma, exchange, softmax, PV
 // wgmma and the next single-buffered K/V copy in series. Not yet (next steps of issue 7): a
 // second K/V stage (no room at 64-key tiles: Q + K + V + exchange = 224 KB; 32-key tiles with
 // two stages would fit in 208 KB) so that S_{i+1} is issued before softmax_i; a persistent
