@@ -160,10 +160,16 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool):
     # Materialized (the barrier keeps XLA from fusing a second read of the old ring into the
     # write below): attention needs these buffers anyway.
     k_view, v_view = jax.lax.optimization_barrier((slab(k_buf, k), slab(v_buf, v)))
-    keep = (i < valid) & (i >= valid - size)  # the last R real tokens: distinct slots
-    slots = jnp.where(keep, (pos + i) % size, size)
-    k_buf = k_buf.at[:, slots].set(jnp.take(k_view, n + i, axis=1), mode="drop")
-    v_buf = v_buf.at[:, slots].set(jnp.take(v_view, n + i, axis=1), mode="drop")
+    # Only the last min(valid, R) real tokens reach the ring, so the scatter takes m = min(T, R)
+    # rows (chunk tokens valid-m .. valid-1; those before token 0 are dropped), not T: XLA's
+    # scatter costs per update row (12B, chunk 4096, R 1024: 4096 rows cost 16 ms of a 32K
+    # prefill, docs/performance.md). The slots are distinct (m <= R consecutive positions).
+    m = min(t, size)
+    src = valid - m + jnp.arange(m, dtype=jnp.int32)  # chunk token of update row j
+    slots = jnp.where(src >= 0, (pos + src) % size, size)
+    rows = n + jnp.maximum(src, 0)  # where chunk token src sits in the view
+    k_buf = k_buf.at[:, slots].set(jnp.take(k_view, rows, axis=1), mode="drop")
+    v_buf = v_buf.at[:, slots].set(jnp.take(v_view, rows, axis=1), mode="drop")
     # Attention reads the views only once the ring is written: the writes feed nothing but the
     # step's outputs, so XLA:GPU's scheduler put every layer's at the end of the step, each
     # holding its chunk K/V until then (12B, two-device step: 40 layers' gathered K and V,
