@@ -91,6 +91,51 @@ def attention_target_call(target: str, q, k, v, q_offset, kv_offset, *, scale, c
                                          window=np.int64(window))
 
 
+def e4m3_steps(q, q_ref) -> np.ndarray:
+    """|q - q_ref| of two float8_e4m3fn arrays in units of q_ref's local e4m3 spacing (2^-3 of
+    the value, 2^-9 among the subnormals)."""
+    a = np.asarray(q, np.float32)
+    b = np.asarray(q_ref, np.float32)
+    return np.abs(a - b) / np.maximum(np.abs(b) * 2.0**-3, 2.0**-9)
+
+
+def quantization_mismatch(q, scale, q_ref, scale_ref, *, code_fraction: float = 0.0,
+                          row_fraction: float = 0.0) -> str | None:
+    """Why two row quantizations (q [..., K] float8_e4m3fn, scale [...] float32) of nearly the
+    same rows disagree more than allowed, or None.
+
+    Rows whose inputs differ in a few elements by one bf16 step (quantize_geglu's kernel and
+    reference: their tanh differs) quantize to codes that differ by one e4m3 step in rare
+    places, and, where the row's largest element moved, to a scale one bf16 step away. Allowed:
+    every code within one e4m3 step; at most ceil(row_fraction * rows) rows with a different
+    scale, each within 2^-7 relative (one bf16 step of the row's amax); on the rows with equal
+    scales, at most ceil(code_fraction * their codes) codes different. Both fractions 0 (the
+    default) ask for bit equality."""
+    s = np.asarray(scale, np.float32).reshape(-1)
+    s_ref = np.asarray(scale_ref, np.float32).reshape(-1)
+    qf = np.asarray(q, np.float32).reshape(s.size, -1)
+    qf_ref = np.asarray(q_ref, np.float32).reshape(s.size, -1)
+    if not np.all(np.isfinite(qf)) or not np.all(np.isfinite(s)):
+        return "NaN/inf in the result"
+    steps = e4m3_steps(qf, qf_ref)
+    if steps.max() > 1.0:
+        r, c = np.unravel_index(int(np.argmax(steps)), steps.shape)
+        return (f"code [{r}, {c}] is {qf[r, c]} against {qf_ref[r, c]} "
+                f"({steps[r, c]:.1f} e4m3 steps)")
+    off = s != s_ref
+    if off.sum() > np.ceil(row_fraction * s.size):
+        return f"{int(off.sum())} of {s.size} rows have another scale (first: row {np.argmax(off)})"
+    rel = np.abs(s[off] / s_ref[off] - 1.0) if off.any() else np.zeros(0)
+    if rel.size and rel.max() > 2.0**-7:
+        return f"a scale is {rel.max():.2e} relative from the reference (more than one bf16 step)"
+    differ = int(np.sum(qf[~off] != qf_ref[~off]))
+    allowed = int(np.ceil(code_fraction * qf[~off].size))
+    if differ > allowed:
+        return (f"{differ} of {qf[~off].size} codes differ by one e4m3 step "
+                f"(at most {allowed} allowed)")
+    return None
+
+
 def max_abs_err(a, b) -> float:
     return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
 

@@ -9,10 +9,20 @@ division, because XLA rewrites division by a constant that way and the kernel mu
 for bit. Rows below 2**-112 count as zero rows because 448 / amax would
 overflow float32; their values dequantize to exact zeros, never NaN or inf. Inputs are
 expected to be finite.
+
+quantize_geglu(gate, up) is quantize_activations of a Gemma MLP's down-projection input,
+    h = bf16(bf16(gelu_tanh(gate)) * up),
+    gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))   in float32 (HF's
+                                                                      gelu_pytorch_tanh)
+which is what a bf16 model's gelu_tanh(g) * u computes (jax_mila/gemma4/mlp.py): the product
+of two bf16 values is exact in float32, so multiplying there and rounding once is the bf16
+multiply. The CUDA kernel computes the same h except for its tanh (CUDA's tanhf against XLA's
+float32 tanh, an ulp or a few apart), which moves rare elements of h by one bf16 step.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 E4M3_MAX = 448.0
@@ -34,6 +44,20 @@ def quantize_activations(x, *, amax=None):
     scale = jnp.where(zero_row, jnp.float32(1.0), safe_amax * jnp.float32(INV_E4M3_MAX))
     q = jnp.clip(x32 * inv_scale[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
     return q, scale
+
+
+def geglu(gate, up):
+    """h = bf16(bf16(gelu_tanh(gate)) * up), gelu_tanh in float32; gate and up bf16 [..., K].
+
+    jax.nn.gelu(approximate=True) is that formula in jnp ops, the same function the model's
+    unfused gelu_tanh calls, so the two agree bit for bit on every backend."""
+    a = jax.nn.gelu(gate.astype(jnp.float32), approximate=True).astype(jnp.bfloat16)
+    return (a.astype(jnp.float32) * up.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def quantize_geglu(gate, up):
+    """gate, up: bf16 [..., K] -> quantize_activations(geglu(gate, up))."""
+    return quantize_activations(geglu(gate, up))
 
 
 def dequantize_activations(q, scale, dtype=jnp.float32):
