@@ -53,10 +53,9 @@ def _check_quantize_geglu() -> str | None:
     gate = (jax.random.normal(k1, (97, 2816), jnp.float32) * 2).at[5].set(0).astype(jnp.bfloat16)
     up = jax.random.normal(k2, (97, 2816), jnp.float32).astype(jnp.bfloat16)
     q, s = jax.jit(ffi.quantize_geglu)(gate, up)
-    q_ref, s_ref = reference.quantize_geglu(gate, up)
-    # The kernel's tanh is not XLA's: rare codes one e4m3 step apart (tests/test_quantize.py).
-    return testing.quantization_mismatch(q, s, q_ref, s_ref, code_fraction=1e-3,
-                                         row_fraction=1e-2)
+    # Against the interval oracle (every code and scale admissible), not against the reference:
+    # the kernel's tanh and XLA's differ within the oracle's bound.
+    return testing.geglu_quantization_problem(gate, up, q, s)
 
 
 def _attention_case(d: int, target: str) -> Callable[[], str | None]:

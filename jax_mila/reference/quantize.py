@@ -16,8 +16,12 @@ quantize_geglu(gate, up) is quantize_activations of a Gemma MLP's down-projectio
                                                                       gelu_pytorch_tanh)
 which is what a bf16 model's gelu_tanh(g) * u computes (jax_mila/gemma4/mlp.py): the product
 of two bf16 values is exact in float32, so multiplying there and rounding once is the bf16
-multiply. The CUDA kernel computes the same h except for its tanh (CUDA's tanhf against XLA's
-float32 tanh, an ulp or a few apart), which moves rare elements of h by one bf16 step.
+multiply. The two bf16 roundings are lax.reduce_precision, not convert pairs: under jit on a
+GPU, XLA (xla_allow_excess_precision, on by default) deletes f32 -> bf16 -> f32 convert chains
+(SimplifyFPConversions), which would quietly skip both roundings. Implementations differ in
+their float32 tanh (XLA's rational approximation, the kernel's exp2 form), which moves rare
+elements of h by a bf16 step: jax_mila.testing.geglu_quantization_problem states what is
+admissible and checks it element by element.
 """
 
 from __future__ import annotations
@@ -46,18 +50,30 @@ def quantize_activations(x, *, amax=None):
     return q, scale
 
 
+def _round_to_bf16(x):
+    """float32 x rounded to the nearest bf16 value (ties to even), kept in float32."""
+    return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+
+
+def _geglu_f32(gate, up):
+    a = _round_to_bf16(jax.nn.gelu(gate.astype(jnp.float32), approximate=True))
+    return _round_to_bf16(a * up.astype(jnp.float32))
+
+
 def geglu(gate, up):
     """h = bf16(bf16(gelu_tanh(gate)) * up), gelu_tanh in float32; gate and up bf16 [..., K].
 
     jax.nn.gelu(approximate=True) is that formula in jnp ops, the same function the model's
-    unfused gelu_tanh calls, so the two agree bit for bit on every backend."""
-    a = jax.nn.gelu(gate.astype(jnp.float32), approximate=True).astype(jnp.bfloat16)
-    return (a.astype(jnp.float32) * up.astype(jnp.float32)).astype(jnp.bfloat16)
+    unfused gelu_tanh calls."""
+    return _geglu_f32(gate, up).astype(jnp.bfloat16)
 
 
 def quantize_geglu(gate, up):
-    """gate, up: bf16 [..., K] -> quantize_activations(geglu(gate, up))."""
-    return quantize_activations(geglu(gate, up))
+    """gate, up: bf16 [..., K] -> quantize_activations(geglu(gate, up)).
+
+    h stays float32 (holding bf16 values) into the quantizer: a bf16 -> f32 convert there would
+    be one XLA may fold away under jit (see above)."""
+    return quantize_activations(_geglu_f32(gate, up))
 
 
 def dequantize_activations(q, scale, dtype=jnp.float32):
