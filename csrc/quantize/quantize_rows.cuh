@@ -6,7 +6,9 @@
 // One block per row. The row is read from HBM once: each thread keeps its 16-byte
 // chunks (8 bf16 values) in registers between the amax reduction and the conversion
 // (rows longer than the register cache are produced twice, the second time from L2 in
-// practice).
+// practice). The block size, the cache size and the blocks per SM that ptxas must leave room
+// for are template parameters; launch() is the plain quantizer's choice of them, a kernel with
+// a costlier row source picks its own (quantize_geglu_kernel.cu).
 //
 // A kernel is parameterised by its row source, a copyable struct with
 //   Raw                                    what one chunk's global loads return
@@ -29,7 +31,7 @@
 
 namespace mila::quantize_rows {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 256;     // launch()'s block size
 constexpr int kBf16PerChunk = 8;  // one uint4
 
 __device__ __forceinline__ float chunk_amax(const uint4& v) {
@@ -55,22 +57,24 @@ __device__ __forceinline__ uint2 chunk_to_e4m3(const uint4& v, float inv_scale) 
 }
 
 // Called once per block (its shared array is not reused).
+template <int kBlock>
 __device__ __forceinline__ float block_max(float v) {
-  __shared__ float warp_max[kThreads / 32];
+  __shared__ float warp_max[kBlock / 32];
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
   if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = v;
   __syncthreads();
   v = warp_max[0];
 #pragma unroll
-  for (int w = 1; w < kThreads / 32; ++w) v = fmaxf(v, warp_max[w]);
+  for (int w = 1; w < kBlock / 32; ++w) v = fmaxf(v, warp_max[w]);
   return v;
 }
 
-// kCached > 0: each thread caches up to kCached chunks (the row fits the cache).
-// kCached == 0: the row is produced twice.
-template <int kCached, typename Source>
-__global__ void __launch_bounds__(kThreads)
+// kBlock threads per row. kCached > 0: each thread caches up to kCached chunks (the row fits
+// the cache). kCached == 0: the row is produced twice. kMinBlocks: blocks per SM that ptxas
+// must leave registers for (65536 / (kBlock * kMinBlocks) per thread at most).
+template <int kBlock, int kCached, int kMinBlocks, typename Source>
+__global__ void __launch_bounds__(kBlock, kMinBlocks)
 quantize_rows_kernel(const Source src, uint2* __restrict__ q, float* __restrict__ scale,
                      int64_t chunks_per_row) {
   const int64_t row = blockIdx.x;
@@ -85,7 +89,7 @@ quantize_rows_kernel(const Source src, uint2* __restrict__ q, float* __restrict_
     typename Source::Raw raw[kCached];
 #pragma unroll
     for (int i = 0; i < kCached; ++i) {
-      const int c = threadIdx.x + i * kThreads;
+      const int c = threadIdx.x + i * kBlock;
       raw[i] = c < chunks ? src.load(base + c) : typename Source::Raw{};
     }
 #pragma unroll
@@ -93,10 +97,10 @@ quantize_rows_kernel(const Source src, uint2* __restrict__ q, float* __restrict_
 #pragma unroll
     for (int i = 0; i < kCached; ++i) amax = fmaxf(amax, chunk_amax(cache[i]));
   } else {
-    for (int64_t c = threadIdx.x; c < chunks_per_row; c += kThreads)
+    for (int64_t c = threadIdx.x; c < chunks_per_row; c += kBlock)
       amax = fmaxf(amax, chunk_amax(Source::make(src.load(base + c))));
   }
-  amax = block_max(amax);
+  amax = block_max<kBlock>(amax);
 
   const bool zero_row = amax < kQuantMinAmax;
   const float inv_scale = zero_row ? 0.f : kE4M3Max / amax;
@@ -106,34 +110,41 @@ quantize_rows_kernel(const Source src, uint2* __restrict__ q, float* __restrict_
     const int chunks = static_cast<int>(chunks_per_row);
 #pragma unroll
     for (int i = 0; i < kCached; ++i) {
-      const int c = threadIdx.x + i * kThreads;
+      const int c = threadIdx.x + i * kBlock;
       if (c < chunks) qr[c] = chunk_to_e4m3(cache[i], inv_scale);
     }
   } else {
-    for (int64_t c = threadIdx.x; c < chunks_per_row; c += kThreads)
+    for (int64_t c = threadIdx.x; c < chunks_per_row; c += kBlock)
       qr[c] = chunk_to_e4m3(Source::make(src.load(base + c)), inv_scale);
   }
 }
 
-// Picks the smallest register cache that holds a row of `cols` values (cols % 8 == 0).
+template <int kBlock, int kCached, int kMinBlocks, typename Source>
+void launch_rows(const Source& src, uint2* q, float* scale, int64_t rows, int64_t chunks,
+                 cudaStream_t stream) {
+  quantize_rows_kernel<kBlock, kCached, kMinBlocks>
+      <<<dim3(static_cast<unsigned>(rows)), dim3(kBlock), 0, stream>>>(src, q, scale, chunks);
+}
+
+// Picks the smallest register cache that holds a row of `cols` values (cols % 8 == 0), with
+// 256-thread blocks.
 template <typename Source>
 cudaError_t launch(const Source& src, uint8_t* q, float* scale, int64_t rows, int64_t cols,
                    cudaStream_t stream) {
   const int64_t chunks = cols / kBf16PerChunk;
   auto* qv = reinterpret_cast<uint2*>(q);
-  const dim3 grid(static_cast<unsigned>(rows)), block(kThreads);
   if (chunks <= 1 * kThreads) {
-    quantize_rows_kernel<1><<<grid, block, 0, stream>>>(src, qv, scale, chunks);
+    launch_rows<kThreads, 1, 0>(src, qv, scale, rows, chunks, stream);
   } else if (chunks <= 2 * kThreads) {
-    quantize_rows_kernel<2><<<grid, block, 0, stream>>>(src, qv, scale, chunks);
+    launch_rows<kThreads, 2, 0>(src, qv, scale, rows, chunks, stream);
   } else if (chunks <= 4 * kThreads) {
-    quantize_rows_kernel<4><<<grid, block, 0, stream>>>(src, qv, scale, chunks);
+    launch_rows<kThreads, 4, 0>(src, qv, scale, rows, chunks, stream);
   } else if (chunks <= 8 * kThreads) {
-    quantize_rows_kernel<8><<<grid, block, 0, stream>>>(src, qv, scale, chunks);
+    launch_rows<kThreads, 8, 0>(src, qv, scale, rows, chunks, stream);
   } else if (chunks <= 16 * kThreads) {
-    quantize_rows_kernel<16><<<grid, block, 0, stream>>>(src, qv, scale, chunks);
+    launch_rows<kThreads, 16, 0>(src, qv, scale, rows, chunks, stream);
   } else {
-    quantize_rows_kernel<0><<<grid, block, 0, stream>>>(src, qv, scale, chunks);
+    launch_rows<kThreads, 0, 0>(src, qv, scale, rows, chunks, stream);
   }
   return cudaGetLastError();
 }
