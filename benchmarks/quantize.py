@@ -1,9 +1,13 @@
-"""Activation quantizer bandwidth: the CUDA kernel against XLA's fusion of the reference.
+"""Activation quantizer bandwidth: the CUDA kernel against XLA's fusion of the reference; and
+the fused GEGLU quantizer (quantize_geglu) against what it replaces in a bf16 W4A8 MLP, XLA's
+fusion of gelu_tanh(g) * u followed by our quantize_activations.
 
 Bytes moved per call = 2*M*K (bf16 read) + M*K (e4m3 written) + 4*M (scales), counted against
-the H200's 4.8 TB/s. Target (issue 2): >= 80% of it at M=16384, K=15360.
+the H200's 4.8 TB/s. Target (issue 2): >= 80% of it at M=16384, K=15360. For quantize_geglu
+both columns count the fused op's bytes, 2*2*M*K (gate and up read) + M*K + 4*M, so their TB/s
+compare like their times (the unfused pair really moves 9*M*K: it writes and re-reads h).
 
-    python benchmarks/quantize.py [--shapes 16384x15360,16384x3840]
+    python benchmarks/quantize.py [--shapes 16384x15360,16384x3840] [--geglu-shapes 4096x15360]
 """
 
 from __future__ import annotations
@@ -19,35 +23,68 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _bench import markdown_table, median_seconds_per_call, write_json  # noqa: E402
 
 from jax_mila import ffi, reference  # noqa: E402
+from jax_mila.gemma4.mlp import gelu_tanh  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
+
+
+def _shapes(spec: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in s.split("x")) for s in spec.split(",") if s]
+
+
+def _unfused_geglu(g, u):
+    return ffi.quantize_activations(gelu_tanh(g) * u)
+
+
+def _timed_rows(shapes, n_inputs, candidates, nbytes_of):
+    """One row per shape: median time and TB/s of each (name, op) on `n_inputs` fresh bf16
+    [M, K] arrays per call, all candidates in the same run."""
+    rows, records = [], []
+    for m, k in shapes:
+        keys = jax.random.split(jax.random.key(0), 3 * n_inputs)
+        inputs = [tuple(jax.random.normal(kk, (m, k), jnp.bfloat16)
+                        for kk in keys[n_inputs * i:n_inputs * (i + 1)]) for i in range(3)]
+        nbytes = nbytes_of(m, k)
+        result = {"M": m, "K": k}
+        for name, op in candidates:
+            t = median_seconds_per_call(op, inputs)
+            result[name] = {"us": t * 1e6, "TB/s": nbytes / t / 1e12}
+        first, second = (name for name, _ in candidates)
+        rows.append([f"{m}x{k}", f"{result[first]['us']:.1f}", f"{result[first]['TB/s']:.2f}",
+                     f"{100 * result[first]['TB/s'] * 1e12 / HBM_BYTES_PER_S:.0f}%",
+                     f"{result[second]['us']:.1f}", f"{result[second]['TB/s']:.2f}"])
+        records.append(result)
+        del inputs
+    return rows, records
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="16384x15360,16384x3840,16384x21504,1024x3840")
+    parser.add_argument("--geglu-shapes", default="4096x15360,16384x15360,16384x21504",
+                        help="M x K of quantize_geglu (empty: skip)")
     args = parser.parse_args()
-    print(f"device: {jax.devices()[0].device_kind}; kernel: {ffi.status('quantize_activations')}")
-    rows, records = [], []
-    for spec in args.shapes.split(","):
-        m, k = (int(v) for v in spec.split("x"))
-        keys = jax.random.split(jax.random.key(0), 3)
-        inputs = [(jax.random.normal(kk, (m, k), jnp.bfloat16),) for kk in keys]
-        nbytes = 3 * m * k + 4 * m
-        result = {"M": m, "K": k}
-        for name, op in (("jax_mila", ffi.quantize_activations),
-                         ("xla", reference.quantize_activations)):
-            t = median_seconds_per_call(op, inputs)
-            result[name] = {"us": t * 1e6, "TB/s": nbytes / t / 1e12}
-        rows.append([f"{m}x{k}", f"{result['jax_mila']['us']:.1f}",
-                     f"{result['jax_mila']['TB/s']:.2f}",
-                     f"{100 * result['jax_mila']['TB/s'] * 1e12 / HBM_BYTES_PER_S:.0f}%",
-                     f"{result['xla']['us']:.1f}", f"{result['xla']['TB/s']:.2f}"])
-        records.append(result)
-        del inputs
+    print(f"device: {jax.devices()[0].device_kind}; kernel: {ffi.status('quantize_activations')}; "
+          f"{ffi.status('quantize_geglu')}")
+    rows, records = _timed_rows(
+        _shapes(args.shapes), 1,
+        [("jax_mila", ffi.quantize_activations), ("xla", reference.quantize_activations)],
+        lambda m, k: 3 * m * k + 4 * m)
+    geglu_rows, geglu_records = _timed_rows(
+        _shapes(args.geglu_shapes), 2,
+        [("jax_mila", ffi.quantize_geglu), ("xla_then_jax_mila", _unfused_geglu)],
+        lambda m, k: 5 * m * k + 4 * m)
     write_json("quantize", records)
+    if geglu_records:
+        write_json("quantize_geglu", geglu_records)
     print(markdown_table(["M x K", "jax_mila us", "jax_mila TB/s", "of 4.8 TB/s", "XLA us",
                           "XLA TB/s"], rows))
+    if geglu_rows:
+        print()
+        print("quantize_geglu (fused) vs XLA gelu_tanh(g) * u then quantize_activations; "
+              "TB/s of the fused op's bytes for both")
+        print(markdown_table(["M x K", "fused us", "fused TB/s", "of 4.8 TB/s",
+                              "XLA + quantize us", "XLA + quantize TB/s"], geglu_rows))
 
 
 if __name__ == "__main__":

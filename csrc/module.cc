@@ -13,6 +13,7 @@ namespace nb = nanobind;
 // MILA_WITH_<FAMILY> for each kernel family it builds (JAX_MILA_KERNELS).
 #ifdef MILA_WITH_QUANTIZE
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaQuantizeActivations);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaQuantizeGeglu);
 #endif
 #ifdef MILA_WITH_FLASH256
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaFlashAttentionD256);
@@ -47,6 +48,7 @@ NB_MODULE(_jax_mila_cuda, m) {
     nb::dict targets;
 #ifdef MILA_WITH_QUANTIZE
     targets["jax_mila_quantize_activations"] = EncapsulateFfiHandler(MilaQuantizeActivations);
+    targets["jax_mila_quantize_geglu"] = EncapsulateFfiHandler(MilaQuantizeGeglu);
 #endif
 #ifdef MILA_WITH_FLASH256
     targets["jax_mila_flash_attention_d256"] = EncapsulateFfiHandler(MilaFlashAttentionD256);

@@ -46,6 +46,18 @@ def _check_quantize() -> str | None:
     return None
 
 
+def _check_quantize_geglu() -> str | None:
+    from jax_mila import testing
+
+    k1, k2 = jax.random.split(_fresh_key())
+    gate = (jax.random.normal(k1, (97, 2816), jnp.float32) * 2).at[5].set(0).astype(jnp.bfloat16)
+    up = jax.random.normal(k2, (97, 2816), jnp.float32).astype(jnp.bfloat16)
+    q, s = jax.jit(ffi.quantize_geglu)(gate, up)
+    # Against the interval oracle (every code and scale admissible), not against the reference:
+    # the kernel's tanh and XLA's differ within the oracle's bound.
+    return testing.geglu_quantization_problem(gate, up, q, s)
+
+
 def _attention_case(d: int, target: str) -> Callable[[], str | None]:
     """D=``d`` through ffi.flash_attention with its routing pinned to ``target`` (the Hopper
     kernel or the portable one: jax_mila/ffi/attention.py)."""
@@ -103,6 +115,7 @@ def _checks() -> dict[str, list[tuple[str | None, Callable[[], str | None]]]]:
     """op -> [(target or None, check)]; an op with several targets is checked per target."""
     return {
         "quantize_activations": [(None, _check_quantize)],
+        "quantize_geglu": [(None, _check_quantize_geglu)],
         "flash_attention": [(t, _attention_case(d, t)) for d, t in _attention_targets()],
         "w4a8_matmul": [(None, _check_w4a8)],
     }

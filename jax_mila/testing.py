@@ -91,6 +91,161 @@ def attention_target_call(target: str, q, k, v, q_offset, kv_offset, *, scale, c
                                          window=np.int64(window))
 
 
+def e4m3_steps(q, q_ref) -> np.ndarray:
+    """|q - q_ref| of two float8_e4m3fn arrays in units of q_ref's local e4m3 spacing (2^-3 of
+    the value, 2^-9 among the subnormals)."""
+    a = np.asarray(q, np.float32)
+    b = np.asarray(q_ref, np.float32)
+    return np.abs(a - b) / np.maximum(np.abs(b) * 2.0**-3, 2.0**-9)
+
+
+# ---- quantize_geglu's interval oracle ---------------------------------------------------------
+#
+# What any correct implementation of quantize_geglu (jax_mila/reference/quantize.py) may return,
+# derived per element in float64 from the exact function, so that no backend's rounding is the
+# yardstick. An implementation is admitted when:
+# - its float32 tanh is within GEGLU_TANH_ERROR (absolute) of the exact tanh of its argument:
+#   XLA's float32 tanh (Eigen's rational approximation, on CPU and GPU) is within 2^-21.0 even
+#   with a 2-ulp division (div.full.f32, XLA's GPU lowering), measured on every float32 in
+#   [2^-12, 20) (tanh is odd; exactly x below 4e-4, exactly +-1 from 20); the kernel's
+#   2^(x k (1 + c x^2)) form is within 2^-21.4 with ex2.approx and rcp.approx 4 ulp off
+#   (csrc/quantize/quantize_geglu_kernel.cu). 2^-20 leaves a factor of two;
+# - the rest of gelu_tanh is float32 arithmetic in any order or contraction (FMA), each step
+#   rounding to nearest: at most 8 roundings of 2^-24 relative on the argument of tanh and two
+#   on 1 + tanh and the final product;
+# - then exactly: a = bf16(gelu) and h = bf16(a * u) (round to nearest even), amax = max |h|,
+#   scale = f32(amax * f32(1/448)) (1 for amax < 2^-112, codes 0), codes =
+#   e4m3(clip(f32(h * inv), +-448)) with inv = 448 / amax within 3 ulp (XLA's GPU division is
+#   div.full.f32, 2 ulp) and the e4m3 rounding to nearest even, directly or through float16
+#   (XLA's older GPU emitters convert f32 -> f16 -> f8).
+# Every element then has an interval of admissible h (bf16 values) and of admissible codes given
+# the scale the implementation chose, and every row an interval of admissible amax. A wrong
+# formula, a missing or extra rounding, or a code one step off falls outside: near-ties are the
+# only slack, and only where the stated errors can reach them.
+GEGLU_TANH_ERROR = 2.0**-20
+_U32 = 2.0**-24
+_SQRT_2_OVER_PI = float(np.float32(np.sqrt(2.0 / np.pi)))
+_CUBIC = float(np.float32(0.044715))
+_INV_E4M3_MAX = np.float32(1.0 / 448.0)
+_QUANT_MIN_AMAX = 2.0**-112
+
+
+def _f32_toward(x, direction):
+    """float64 -> float32, rounded down (direction < 0) or up: so that a later round-to-nearest
+    of the result never lands inside the interval it bounds."""
+    f = x.astype(np.float32)
+    back = f.astype(np.float64)
+    if direction < 0:
+        return np.where(back > x, np.nextafter(f, np.float32(-np.inf)), f)
+    return np.where(back < x, np.nextafter(f, np.float32(np.inf)), f)
+
+
+def _bf16(x, direction):
+    """The bf16 value round-to-nearest gives at the low (direction < 0) or high end of [x, ...]."""
+    import ml_dtypes
+
+    return _f32_toward(x, direction).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _e4m3(x, direction):
+    """The lowest (direction < 0) or highest e4m3 value of a float64 interval's end, rounded to
+    nearest even directly or through float16."""
+    import ml_dtypes
+
+    f = _f32_toward(x, direction)
+    direct = f.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    via16 = f.astype(np.float16).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return np.minimum(direct, via16) if direction < 0 else np.maximum(direct, via16)
+
+
+def geglu_gelu_interval(gate, *, tanh_error: float = GEGLU_TANH_ERROR):
+    """(lo, hi) float64 arrays: where an admitted float32 gelu_tanh(gate) may land, before its
+    bf16 rounding."""
+    g = np.asarray(gate, np.float64)
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        y = _SQRT_2_OVER_PI * (g + _CUBIC * g**3)
+        # 1 + tanh(y) without cancellation; y's rounding (8 roundings) moves tanh by at most
+        # 8 u * max |y| sech^2(y) < 4 u.
+        c = 2.0 / (1.0 + np.exp(-2.0 * y))
+        err = tanh_error + 4 * _U32 + 3 * _U32 * c
+        ends = (0.5 * g * (c - err), 0.5 * g * (c + err))
+    return np.minimum(*ends), np.maximum(*ends)
+
+
+def geglu_h_interval(gate, up, *, tanh_error: float = GEGLU_TANH_ERROR):
+    """(lo, hi) float64 arrays: the bf16 values h = bf16(bf16(gelu_tanh(gate)) * up) may take in
+    an admitted implementation (see above); lo <= hi elementwise."""
+    gl, gh = geglu_gelu_interval(gate, tanh_error=tanh_error)
+    u = np.asarray(up, np.float64)
+    a_lo, a_hi = _bf16(gl, -1), _bf16(gh, +1)
+    # a * u is exact in float32 (8-bit significands) and monotone in a.
+    p1, p2 = a_lo * u, a_hi * u
+    return _bf16(np.minimum(p1, p2), -1), _bf16(np.maximum(p1, p2), +1)
+
+
+def geglu_quantization_problem(gate, up, q, scale, *, tanh_error: float = GEGLU_TANH_ERROR,
+                               max_listed: int = 3) -> str | None:
+    """Why (q, scale) is not a quantization of gelu_tanh(gate) * up that an admitted
+    implementation could return (the interval oracle above), or None. gate, up: bf16 [..., K];
+    q float8_e4m3fn [..., K]; scale float32 [...]. Every element and every row must pass: there
+    is no count of allowed exceptions."""
+    k = np.shape(gate)[-1]
+    g = np.asarray(gate, np.float32).reshape(-1, k)
+    u = np.asarray(up, np.float32).reshape(-1, k)
+    qv = np.asarray(q, np.float32).reshape(-1, k).astype(np.float64)
+    s = np.asarray(scale, np.float32).reshape(-1)
+    if qv.shape != g.shape or s.size != g.shape[0]:
+        return f"shapes: q {np.shape(q)}, scale {np.shape(scale)} for gate {np.shape(gate)}"
+    if not np.all(np.isfinite(qv)) or not np.all(np.isfinite(s)):
+        return "NaN/inf in the result"
+    bad_rows, bad_codes = [], []
+    step = max(1, (1 << 22) // k)  # rows per block: bounded memory for large inputs
+    for r0 in range(0, g.shape[0], step):
+        rows = slice(r0, r0 + step)
+        h_lo, h_hi = geglu_h_interval(g[rows], u[rows], tanh_error=tanh_error)
+        spans_zero = (h_lo <= 0) & (h_hi >= 0)
+        mag_lo = np.where(spans_zero, 0.0, np.minimum(np.abs(h_lo), np.abs(h_hi)))
+        mag_hi = np.maximum(np.abs(h_lo), np.abs(h_hi))
+        amax_lo, amax_hi = mag_lo.max(axis=1), mag_hi.max(axis=1)
+        sr = s[rows]
+        # The row's amax, read back from its scale (a bf16 value: scale * 448 is within 2^-22
+        # of it), must be admissible and give that scale exactly.
+        amax = _bf16(sr.astype(np.float64) * 448.0, -1)
+        regular = ((amax >= _QUANT_MIN_AMAX) & (amax >= amax_lo) & (amax <= amax_hi)
+                   & (amax.astype(np.float32) * _INV_E4M3_MAX == sr))
+        # ... and the element that set it quantizes to +-448.
+        regular &= np.abs(qv[rows]).max(axis=1) == 448.0
+        zero = (amax_lo < _QUANT_MIN_AMAX) & (sr == 1.0) & np.all(qv[rows] == 0, axis=1)
+        ok_row = regular | zero
+        inv = np.where(regular, 448.0 / np.where(regular, amax, 1.0), 0.0)[:, None]
+        slack = 3 * 2.0**-23  # inv within 3 ulp, then the float32 rounding of h * inv
+        x_lo = np.minimum(h_lo * inv * (1 - slack), h_lo * inv * (1 + slack))
+        x_hi = np.maximum(h_hi * inv * (1 - slack), h_hi * inv * (1 + slack))
+        x_lo = np.clip(x_lo - np.abs(x_lo) * 2.0**-23, -448.0, 448.0)
+        x_hi = np.clip(x_hi + np.abs(x_hi) * 2.0**-23, -448.0, 448.0)
+        code_lo, code_hi = _e4m3(x_lo, -1), _e4m3(x_hi, +1)
+        qr = qv[rows]
+        ok = (zero[:, None] & (qr == 0)) | (regular[:, None] & (qr >= code_lo) & (qr <= code_hi))
+        for r in np.flatnonzero(~ok_row):
+            bad_rows.append(f"row {r0 + r}: scale {sr[r]!r} (amax {amax[r]!r}, max |code| "
+                            f"{np.abs(qv[r0 + r]).max()!r}), admissible amax "
+                            f"[{amax_lo[r]!r}, {amax_hi[r]!r}]")
+        for r, c in zip(*np.nonzero(~ok & ok_row[:, None])):
+            bad_codes.append(f"[{r0 + r}, {c}] gate {g[r0 + r, c]!r} up {u[r0 + r, c]!r}: code "
+                             f"{qr[r, c]!r}, admissible [{code_lo[r, c]!r}, {code_hi[r, c]!r}] "
+                             f"(h in [{h_lo[r, c]!r}, {h_hi[r, c]!r}])")
+    if not bad_rows and not bad_codes:
+        return None
+    parts = []
+    if bad_rows:
+        parts.append(f"{len(bad_rows)} of {s.size} rows have an inadmissible scale: "
+                     + "; ".join(bad_rows[:max_listed]))
+    if bad_codes:
+        parts.append(f"{len(bad_codes)} of {qv.size} codes outside their interval: "
+                     + "; ".join(bad_codes[:max_listed]))
+    return " | ".join(parts)
+
+
 def max_abs_err(a, b) -> float:
     return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
 

@@ -56,6 +56,17 @@ def check_quantize():
         d = np.abs(np.asarray(q, np.float32) - np.asarray(q_ref, np.float32))
         assert np.all(d <= np.maximum(np.abs(np.asarray(q_ref, np.float32)) / 8, 2**-9)), shape
         yield f"quantize {shape}"
+    # The fused GEGLU quantizer: the same shapes, each of its block / register-cache buckets
+    # (K = 21504: 512 threads x 6 chunks; 32768: 512 x 8) and an uncached row, held against
+    # the interval oracle (jax_mila.testing.geglu_quantization_problem).
+    for shape in ((1, 16), (97, 2816), (3, 5, 48), (7, 15360), (7, 21504), (3, 32768),
+                  (5, 40000)):
+        gate = _bf16(shape, 2.0).reshape(-1, shape[-1]).at[-1].set(0).reshape(shape)
+        up = _bf16(shape)
+        got = testing.call_with_poisoned_outputs(ffi.quantize_geglu, gate, up)
+        problem = testing.geglu_quantization_problem(gate, up, *got)
+        assert problem is None, (shape, problem)
+        yield f"quantize_geglu {shape}"
 
 
 # (B, T, S, Hq, Hkv, causal, window, q_offset, kv_offset): odd sizes, GQA, a window, masked rows.

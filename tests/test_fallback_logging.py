@@ -56,11 +56,12 @@ class ModelFallbackLoggingTest(parameterized.TestCase):
         self.assertLen(lines, len(set(lines)), msg)  # no (op, reason) twice
         # The embedded config's two head dims have no attention kernel: one line each, though
         # there are 4 + 2 layers of them and three traces; the W4A8 ops fall back because
-        # there is no GPU here, one line per op.
+        # there is no GPU here, one line per op (quantize_geglu: the bf16 MLPs quantize
+        # down_proj's input in one op).
         self.assertLen(_fallback_lines(lines, "flash_attention"), 2, msg)
         self.assertTrue(any("head_dim=32" in line for line in lines), msg)
         self.assertTrue(any("head_dim=64" in line for line in lines), msg)
-        for op in ("quantize_activations", "w4a8_matmul"):
+        for op in ("quantize_activations", "quantize_geglu", "w4a8_matmul"):
             self.assertLen(_fallback_lines(lines, op), 1, msg)
             self.assertIn("no CUDA device", _fallback_lines(lines, op)[0], msg)
         # Logged at INFO on a machine without GPUs (WARNING where kernels were expected).

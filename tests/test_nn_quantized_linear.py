@@ -8,7 +8,9 @@
 - bit-exact agreement with the composition quantize_activations -> dequantize_mxfp4 ->
   float32 product (both backends; the GPU kernel sums in another order, so there it is 1e-5);
 - shapes the kernel cannot take stay dense with one log line; jit; the MXFP4 arrays are not
-  nnx.Param (optimizers never see them); constructing from a dense kernel.
+  nnx.Param (optimizers never see them); constructing from a dense kernel;
+- matmul_quantized (the product after the quantizer, for pre-quantized activations) is the
+  layer's own second half, and refuses dense layers and mismatched shapes.
 """
 
 from __future__ import annotations
@@ -147,6 +149,28 @@ class QuantizedLinearTest(parameterized.TestCase):
         q = nn.Linear.quantize_from(self.kernel)
         with self.assertRaisesRegex(ValueError, r"does not fit Linear 256 -> 128"):
             q.set_mxfp4(quant.quantize_mxfp4(self.kernel))  # [128, 256]: not transposed
+
+    @parameterized.product(dtype=[jnp.float32, jnp.bfloat16], backend=["auto", "reference"])
+    def test_matmul_quantized_is_the_layer_after_its_quantizer(self, dtype, backend):
+        layer = nn.Linear.quantize_from(self.kernel, backend=backend, dtype=dtype)
+        quantizer = ffi if backend == "auto" else reference
+        q, s = quantizer.quantize_activations(self.x.astype(jnp.bfloat16))
+        got = layer.matmul_quantized(q, s)
+        self.assertEqual(got.shape, LEAD + (N,))
+        self.assertEqual(got.dtype, dtype)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(layer(self.x.astype(dtype))))
+
+    def test_matmul_quantized_refuses_dense_layers_and_wrong_shapes(self):
+        q, s = reference.quantize_activations(self.x.astype(jnp.bfloat16))
+        dense = nn.Linear(K, N)
+        with self.assertRaisesRegex(ValueError, "Linear 256 -> 128: matmul_quantized needs a "
+                                                "quantize='w4a8' layer; this one is dense"):
+            dense.matmul_quantized(q, s)
+        layer = nn.Linear.quantize_from(self.kernel)
+        with self.assertRaisesRegex(ValueError, r"got q\[3, 7, 128\] .*expected q \[\.\.\., 256\]"):
+            layer.matmul_quantized(q[..., :128], s)
+        with self.assertRaisesRegex(ValueError, r"scale\[3\]"):
+            layer.matmul_quantized(q, s[:, 0])
 
     def test_unknown_mode_is_refused(self):
         with self.assertRaisesRegex(ValueError, r"quantize='w8a8' is not supported \(supported: \(None, 'w4a8'\)"):

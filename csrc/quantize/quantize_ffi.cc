@@ -1,4 +1,5 @@
-// FFI handler for the activation quantizer. Validates again what the Python
+// FFI handlers of the activation quantizer: quantize_activations (bf16 rows) and
+// quantize_geglu (rows of gelu_tanh(gate) * up). Each validates again what its Python
 // wrapper validated at trace time; every failure is an ffi::Error.
 #include <cstdint>
 
@@ -8,48 +9,98 @@
 namespace mila {
 namespace {
 
-constexpr const char* kOp = "quantize_activations";
-
-// q is an AnyBuffer: the FFI header has no native C++ type for F8E4M3FN, so a typed
-// Buffer<F8E4M3FN> does not compile; its dtype is checked by hand instead.
-ffi::Error QuantizeActivationsImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
-                                   ffi::Result<ffi::AnyBuffer> q,
-                                   ffi::ResultBuffer<ffi::F32> scale) {
-  if (q->element_type() != ffi::DataType::F8E4M3FN) {
-    return InvalidArgument(kOp, "q: result dtype must be float8_e4m3fn");
-  }
-  const auto dims = x.dimensions();
+// The [..., K] input `arg` as rows x cols, or the error naming it.
+template <typename Dims>
+ffi::Error RowsOf(const char* op, const char* arg, const Dims& dims, int64_t element_count,
+                  int64_t& rows, int64_t& cols) {
   if (dims.size() < 2) {
-    return InvalidArgument(kOp, "x: expected rank >= 2 ([..., M, K]), got shape ", ShapeString(dims));
+    return InvalidArgument(op, arg, ": expected rank >= 2 ([..., M, K]), got shape ",
+                           ShapeString(dims));
   }
-  const int64_t cols = dims.back();
-  const int64_t rows = cols > 0 ? static_cast<int64_t>(x.element_count()) / cols : 0;
+  cols = dims.back();
+  rows = cols > 0 ? element_count / cols : 0;
   if (rows == 0 || cols == 0) {
-    return InvalidArgument(kOp, "x: empty array of shape ", ShapeString(dims), " is not supported");
+    return InvalidArgument(op, arg, ": empty array of shape ", ShapeString(dims),
+                           " is not supported");
   }
   if (cols % kQuantColsMultiple != 0) {
-    return InvalidArgument(kOp, "x: K=", cols, " (last dim of ", ShapeString(dims),
+    return InvalidArgument(op, arg, ": K=", cols, " (last dim of ", ShapeString(dims),
                            ") must be a multiple of ", kQuantColsMultiple);
   }
   if (rows > INT32_MAX) {
-    return InvalidArgument(kOp, "x: ", rows, " rows exceed the supported 2^31-1");
+    return InvalidArgument(op, arg, ": ", rows, " rows exceed the supported 2^31-1");
   }
-  if (!SameDims(q->dimensions(), dims)) {
-    return InvalidArgument(kOp, "q: result shape ", ShapeString(q->dimensions()),
-                           " must equal x's shape ", ShapeString(dims));
+  return ffi::Error::Success();
+}
+
+// q is an AnyBuffer: the FFI header has no native C++ type for F8E4M3FN, so a typed
+// Buffer<F8E4M3FN> does not compile; its dtype is checked by hand instead.
+template <typename Dims>
+ffi::Error CheckResults(const char* op, const char* arg, const Dims& dims, int64_t rows,
+                        const ffi::AnyBuffer& q, int64_t scale_count) {
+  if (q.element_type() != ffi::DataType::F8E4M3FN) {
+    return InvalidArgument(op, "q: result dtype must be float8_e4m3fn");
   }
-  if (static_cast<int64_t>(scale->element_count()) != rows) {
-    return InvalidArgument(kOp, "scale: result has ", scale->element_count(),
+  if (!SameDims(q.dimensions(), dims)) {
+    return InvalidArgument(op, "q: result shape ", ShapeString(q.dimensions()), " must equal ",
+                           arg, "'s shape ", ShapeString(dims));
+  }
+  if (scale_count != rows) {
+    return InvalidArgument(op, "scale: result has ", scale_count,
                            " elements, expected one per row (", rows, ")");
   }
-  const void* ptrs[] = {x.untyped_data(), q->untyped_data()};
-  for (const void* p : ptrs) {
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
-      return InvalidArgument(kOp, "x/q: buffers must be 16-byte aligned");
-    }
+  return ffi::Error::Success();
+}
+
+int64_t ScaleCount(ffi::ResultBuffer<ffi::F32> scale) {
+  return static_cast<int64_t>(scale->element_count());
+}
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+ffi::Error QuantizeActivationsImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
+                                   ffi::Result<ffi::AnyBuffer> q,
+                                   ffi::ResultBuffer<ffi::F32> scale) {
+  constexpr const char* kOp = "quantize_activations";
+  const auto dims = x.dimensions();
+  int64_t rows = 0, cols = 0;
+  if (ffi::Error e = RowsOf(kOp, "x", dims, static_cast<int64_t>(x.element_count()), rows, cols);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = CheckResults(kOp, "x", dims, rows, *q, ScaleCount(scale)); e.failure()) return e;
+  if (!Aligned16(x.untyped_data()) || !Aligned16(q->untyped_data())) {
+    return InvalidArgument(kOp, "x/q: buffers must be 16-byte aligned");
   }
   const cudaError_t err = LaunchQuantizeActivations(
       reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()),
+      reinterpret_cast<uint8_t*>(q->untyped_data()), scale->typed_data(), rows, cols, stream);
+  return CheckLaunch(kOp, err);
+}
+
+ffi::Error QuantizeGegluImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> gate,
+                             ffi::Buffer<ffi::BF16> up, ffi::Result<ffi::AnyBuffer> q,
+                             ffi::ResultBuffer<ffi::F32> scale) {
+  constexpr const char* kOp = "quantize_geglu";
+  const auto dims = gate.dimensions();
+  int64_t rows = 0, cols = 0;
+  if (ffi::Error e =
+          RowsOf(kOp, "gate", dims, static_cast<int64_t>(gate.element_count()), rows, cols);
+      e.failure()) {
+    return e;
+  }
+  if (!SameDims(up.dimensions(), dims)) {
+    return InvalidArgument(kOp, "up: shape ", ShapeString(up.dimensions()),
+                           " must equal gate's shape ", ShapeString(dims));
+  }
+  if (ffi::Error e = CheckResults(kOp, "gate", dims, rows, *q, ScaleCount(scale)); e.failure()) return e;
+  if (!Aligned16(gate.untyped_data()) || !Aligned16(up.untyped_data()) ||
+      !Aligned16(q->untyped_data())) {
+    return InvalidArgument(kOp, "gate/up/q: buffers must be 16-byte aligned");
+  }
+  const cudaError_t err = LaunchQuantizeGeglu(
+      reinterpret_cast<const __nv_bfloat16*>(gate.untyped_data()),
+      reinterpret_cast<const __nv_bfloat16*>(up.untyped_data()),
       reinterpret_cast<uint8_t*>(q->untyped_data()), scale->typed_data(), rows, cols, stream);
   return CheckLaunch(kOp, err);
 }
@@ -61,6 +112,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MilaQuantizeActivations, mila::QuantizeActivations
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MilaQuantizeGeglu, mila::QuantizeGegluImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // gate
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // up
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,4 +1,6 @@
-// Activation quantizer: bf16 [rows, cols] -> e4m3 values and one fp32 scale per row.
+// Activation quantizer: bf16 [rows, cols] -> e4m3 values and one fp32 scale per row,
+// of bf16 rows (LaunchQuantizeActivations) or of GEGLU rows formed on the fly
+// (LaunchQuantizeGeglu).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -23,5 +25,11 @@ constexpr int kQuantColsMultiple = 16;
 // Requires cols % 16 == 0 and 16-byte aligned pointers.
 cudaError_t LaunchQuantizeActivations(const __nv_bfloat16* x, uint8_t* q, float* scale,
                                       int64_t rows, int64_t cols, cudaStream_t stream);
+
+// The same quantization of h = bf16(bf16(gelu_tanh(gate)) * up), gelu_tanh in float32 (HF's
+// gelu_pytorch_tanh): the input of a W4A8 down projection, without writing h. gate and up
+// are [rows, cols] with the same requirements as x above.
+cudaError_t LaunchQuantizeGeglu(const __nv_bfloat16* gate, const __nv_bfloat16* up, uint8_t* q,
+                                float* scale, int64_t rows, int64_t cols, cudaStream_t stream);
 
 }  // namespace mila

@@ -24,6 +24,7 @@ DISABLE_ENV = "JAX_MILA_DISABLE"
 # Public op name -> the FFI targets (names in the extension's registrations()) it needs.
 OPS: dict[str, tuple[str, ...]] = {
     "quantize_activations": ("jax_mila_quantize_activations",),
+    "quantize_geglu": ("jax_mila_quantize_geglu",),
     "flash_attention": ("jax_mila_flash_attention_d256", "jax_mila_flash_attention_d512",
                         "jax_mila_flash_attention_d512_sm90",  # the last two: Hopper only
                         "jax_mila_flash_attention_d256_sm90"),

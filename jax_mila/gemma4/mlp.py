@@ -7,6 +7,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_mila import nn
+from jax_mila.nn.linear import quantized_ops
+from jax_mila.parallel.tensor import active_axis as tensor_parallel_axis
 from jax_mila.parallel.tensor import reduce_partial_sums
 
 
@@ -23,6 +25,30 @@ class Gemma4MLP(nnx.Module):
         self.up_proj = nn.Linear(hidden, intermediate, **lin)
         self.down_proj = nn.Linear(intermediate, hidden, **lin)
 
+    def fuses_geglu(self) -> bool:
+        """Whether __call__ quantizes gelu_tanh(g) * u for down_proj in one op (quantize_geglu)
+        instead of forming the product and quantizing it inside down_proj.
+
+        Only where that op computes exactly what down_proj would quantize:
+        - all three projections W4A8 with one backend: down_proj's input is quantized at all,
+          and by the ops the layers would use;
+        - a bfloat16 model: there gelu_tanh(g) and the product are rounded to bf16 like the
+          op rounds them. A float32 model keeps both in float32 and rounds h to bf16 once,
+          at the quantizer; the op would round twice, so it keeps the unfused expression;
+        - no tensor parallelism: down_proj is row-parallel there, and its rows are quantized
+          against the whole row's amax (nn.Linear._w4a8), which the op cannot see.
+        """
+        layers = (self.gate_proj, self.up_proj, self.down_proj)
+        return (all(lin.quantize == "w4a8" for lin in layers)
+                and len({lin.backend for lin in layers}) == 1
+                and all(jnp.dtype(lin.dtype) == jnp.dtype(jnp.bfloat16) for lin in layers)
+                and tensor_parallel_axis() is None)
+
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.fuses_geglu():
+            g, u = self.gate_proj(x), self.up_proj(x)
+            rows = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731 - the op takes rank >= 2
+            q, s = quantized_ops(self.down_proj.backend).quantize_geglu(rows(g), rows(u))
+            return self.down_proj.matmul_quantized(q, s).reshape(*x.shape[:-1], -1)
         # down_proj is row-parallel under tensor parallelism: its partial sums are all-reduced.
         return reduce_partial_sums(self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x)))

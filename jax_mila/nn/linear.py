@@ -43,6 +43,12 @@ class MXFP4Param(nnx.Variable):
     Deliberately not an nnx.Param: the values are integer codes, not trainable parameters."""
 
 
+def quantized_ops(backend: str):
+    """The module whose quantizer and W4A8 matmul a layer of `backend` calls: the references
+    for "reference", else jax_mila.ffi (kernels on GPU, references elsewhere)."""
+    return reference if backend == "reference" else ffi
+
+
 def check_quantize(quantize) -> None:
     """Raises ValueError for a quantization mode this build does not implement."""
     if quantize not in QUANTIZE_MODES:
@@ -152,13 +158,12 @@ class Linear(nnx.Module):
         return y.astype(self.dtype)
 
     def _w4a8(self, x: jax.Array) -> jax.Array:
-        ops = reference if self.backend == "reference" else ffi
+        ops = quantized_ops(self.backend)
         lead = x.shape[:-1]
         # The quantizer takes bf16 rows (rank >= 2); a float32 model's activations are rounded
         # to bf16 first, which costs far less than the FP8 rounding that follows.
         # Sizes from the arrays, not the attributes: under tensor parallelism (shard_map) this
         # layer holds a slice of its weight (jax_mila/parallel/tensor.py).
-        w = self.mxfp4
         rows = x.astype(jnp.bfloat16).reshape(-1, x.shape[-1])
         axis = tensor_parallel_axis()
         if axis is not None and x.shape[-1] != self.in_features:
@@ -169,6 +174,25 @@ class Linear(nnx.Module):
             q, s = reference.quantize_activations(rows, amax=amax)
         else:
             q, s = ops.quantize_activations(rows)
+        y = self.matmul_quantized(q, s)
+        return y.reshape(*lead, y.shape[-1])
+
+    def matmul_quantized(self, q: jax.Array, scale: jax.Array) -> jax.Array:
+        """The W4A8 product of activations already quantized per row: q float8_e4m3fn
+        [..., in_features] and scale float32 [...] as quantize_activations (or quantize_geglu)
+        returns them -> [..., out_features] in ``self.dtype``. The rest of the W4A8 forward pass
+        after its quantizer; for callers that quantize a fused expression themselves
+        (jax_mila/gemma4/mlp.py)."""
+        if self.quantize != "w4a8":
+            raise ValueError(f"Linear {self.in_features} -> {self.out_features}: "
+                             "matmul_quantized needs a quantize='w4a8' layer; this one is dense "
+                             "(call it on its unquantized input instead)")
+        w = self.mxfp4
+        if q.shape[-1] != w.shape[1] or tuple(scale.shape) != tuple(q.shape[:-1]):
+            raise ValueError(f"Linear {self.in_features} -> {self.out_features}: matmul_quantized "
+                             f"got q{list(q.shape)} and scale{list(scale.shape)}; expected q "
+                             f"[..., {w.shape[1]}] and scale of q's leading shape")
         out_dtype = self.dtype if jnp.dtype(self.dtype) == jnp.dtype(jnp.bfloat16) else jnp.float32
-        y = ops.w4a8_matmul(q, s, w, out_dtype=out_dtype)
-        return y.reshape(*lead, w.shape[0]).astype(self.dtype)
+        y = quantized_ops(self.backend).w4a8_matmul(q.reshape(-1, q.shape[-1]), scale.reshape(-1),
+                                                    w, out_dtype=out_dtype)
+        return y.reshape(*q.shape[:-1], w.shape[0]).astype(self.dtype)

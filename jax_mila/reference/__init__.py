@@ -7,7 +7,10 @@ from jax_mila.reference.quantize import (
     E4M3_MAX,
     QUANT_MIN_AMAX,
     dequantize_activations,
+    geglu,
     quantize_activations,
+    quantize_geglu,
 )
 
-__all__ = ["flash_attention", "E4M3_MAX", "QUANT_MIN_AMAX", "dequantize_activations", "quantize_activations", "w4a8_matmul"]
+__all__ = ["flash_attention", "E4M3_MAX", "QUANT_MIN_AMAX", "dequantize_activations", "geglu",
+           "quantize_activations", "quantize_geglu", "w4a8_matmul"]

@@ -9,10 +9,24 @@ division, because XLA rewrites division by a constant that way and the kernel mu
 for bit. Rows below 2**-112 count as zero rows because 448 / amax would
 overflow float32; their values dequantize to exact zeros, never NaN or inf. Inputs are
 expected to be finite.
+
+quantize_geglu(gate, up) is quantize_activations of a Gemma MLP's down-projection input,
+    h = bf16(bf16(gelu_tanh(gate)) * up),
+    gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))   in float32 (HF's
+                                                                      gelu_pytorch_tanh)
+which is what a bf16 model's gelu_tanh(g) * u computes (jax_mila/gemma4/mlp.py): the product
+of two bf16 values is exact in float32, so multiplying there and rounding once is the bf16
+multiply. The two bf16 roundings are lax.reduce_precision, not convert pairs: under jit on a
+GPU, XLA (xla_allow_excess_precision, on by default) deletes f32 -> bf16 -> f32 convert chains
+(SimplifyFPConversions), which would quietly skip both roundings. Implementations differ in
+their float32 tanh (XLA's rational approximation, the kernel's exp2 form), which moves rare
+elements of h by a bf16 step: jax_mila.testing.geglu_quantization_problem states what is
+admissible and checks it element by element.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 E4M3_MAX = 448.0
@@ -34,6 +48,32 @@ def quantize_activations(x, *, amax=None):
     scale = jnp.where(zero_row, jnp.float32(1.0), safe_amax * jnp.float32(INV_E4M3_MAX))
     q = jnp.clip(x32 * inv_scale[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
     return q, scale
+
+
+def _round_to_bf16(x):
+    """float32 x rounded to the nearest bf16 value (ties to even), kept in float32."""
+    return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+
+
+def _geglu_f32(gate, up):
+    a = _round_to_bf16(jax.nn.gelu(gate.astype(jnp.float32), approximate=True))
+    return _round_to_bf16(a * up.astype(jnp.float32))
+
+
+def geglu(gate, up):
+    """h = bf16(bf16(gelu_tanh(gate)) * up), gelu_tanh in float32; gate and up bf16 [..., K].
+
+    jax.nn.gelu(approximate=True) is that formula in jnp ops, the same function the model's
+    unfused gelu_tanh calls."""
+    return _geglu_f32(gate, up).astype(jnp.bfloat16)
+
+
+def quantize_geglu(gate, up):
+    """gate, up: bf16 [..., K] -> quantize_activations(geglu(gate, up)).
+
+    h stays float32 (holding bf16 values) into the quantizer: a bf16 -> f32 convert there would
+    be one XLA may fold away under jit (see above)."""
+    return quantize_activations(_geglu_f32(gate, up))
 
 
 def dequantize_activations(q, scale, dtype=jnp.float32):
