@@ -100,10 +100,10 @@
 // which only the unaligned barrier.sync allows (bar.sync is .aligned: synccheck reported
 // "Divergent thread(s) in block").
 //
-// Pipelined order (kPipelined, the default with the split softmax;
-// JAX_MILA_FLASH512_SM90_PIPELINE=serial for S, softmax and P V one after the other): tile i's
-// S wgmmas are issued, then tile i-1's P V, and wait_group 1 retires S_i alone, so that S_i's
-// exchanges and exponentials run while the tensor cores do P_{i-1} V_{i-1} (FA-3's
+// Pipelined order (kPipelined, opt-in with the split softmax: JAX_MILA_FLASH512_SM90_PIPELINE=
+// overlap; slower on the H200, see Pipelined() below): tile i's S wgmmas are issued, then tile
+// i-1's P V, and wait_group 1 retires S_i alone, so that S_i's exchanges and exponentials
+// run while the tensor cores do P_{i-1} V_{i-1} (FA-3's
 // intra-warpgroup overlap; serially, ncu put 30% of a tile in exchange + softmax with the tensor
 // cores idle). P V then reads P from shared memory (both halves, written by the two consumers
 // in the 128-byte swizzle, one 8 KB tile per tile parity) instead of registers: P_i is formed
@@ -373,8 +373,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       auto issue_s = [&](uint32_t parity) {
         wait_full(bar_k_full, parity);
         // Opaque copies of the bases: the 32 descriptors below are then computed per tile.
-        // Loop-invariant, they were hoisted out of the pipelined loop, 64 registers held
-        // across it, and ptxas spilled (208 bytes).
+        // Loop-invariant, they were hoisted out of the pipelined order's loop (64 registers
+        // held across it) and ptxas spilled 208 bytes there.
         uint32_t qh = q_half, kh = k_half;
         asm volatile("" : "+r"(qh), "+r"(kh));
         hx::wgmma_fence();
@@ -788,13 +788,15 @@ bool SplitSoftmax() {
   return v;
 }
 
-// Developer knob, read once per process: JAX_MILA_FLASH512_SM90_PIPELINE=serial runs each
-// tile's S, softmax and P V one after the other (the split softmax's order before the overlap
-// of softmax_i with P_{i-1} V_{i-1}).
+// Developer knob, read once per process: JAX_MILA_FLASH512_SM90_PIPELINE=overlap runs the
+// split softmax in the pipelined order (softmax_i overlapping P_{i-1} V_{i-1}). Default off: on
+// the H200 it ran 446-447 TFLOP/s at S=16K / 32K against 482-488 in serial order in the same
+// call (docs/performance.md, eleventh round): with single-buffered K and V, the overlap leaves
+// each 64 KB load one P V or one S of time instead of most of a tile.
 bool Pipelined() {
   static const bool v = [] {
     const char* env = std::getenv("JAX_MILA_FLASH512_SM90_PIPELINE");
-    return env == nullptr || std::string(env) != "serial";
+    return env != nullptr && std::string(env) == "overlap";
   }();
   return v;
 }
