@@ -100,17 +100,13 @@
 // which only the unaligned barrier.sync allows (bar.sync is .aligned: synccheck reported
 // "Divergent thread(s) in block").
 //
-// Pipelined order (kPipelined, opt-in with the split softmax: JAX_MILA_FLASH512_SM90_PIPELINE=
-// overlap; slower on the H200, see Pipelined() below): tile i's S wgmmas are issued, then tile
-// i-1's P V, and wait_group 1 retires S_i alone, so that S_i's exchanges and exponentials
-// run while the tensor cores do P_{i-1} V_{i-1} (FA-3's
-// intra-warpgroup overlap; serially, ncu put 30% of a tile in exchange + softmax with the tensor
-// cores idle). P V then reads P from shared memory (both halves, written by the two consumers
-// in the 128-byte swizzle, one 8 KB tile per tile parity) instead of registers: P_i is formed
-// while P_{i-1} V_{i-1} still reads its A operand, and register P would need a second set (the
-// consumers have none left: 240 registers). The producer loads in the consumers' release
-// order, K_{i+1} (released once S_i retires) before V_i (released once P_{i-1} V_{i-1} has).
-// K and V stay single-buffered: K_{i+1} streams in during softmax_i, V_i during S_{i+1}.
+// Tried and dropped (eleventh round, docs/performance.md): FA-3's overlap of tile i's softmax
+// with tile i-1's P V (S_i issued before P_{i-1} V_{i-1}, P V reading P from shared memory).
+// It ran 424-442 TFLOP/s against 494-502 in the serial order in the same call. Per tile the
+// CTA moves ~370 KB through shared memory (S's Q and K operands 128 KB, V 64 KB, the TMA
+// writes of K and V 128 KB, the exchanges), ~2,900 cycles at 128 B/cycle against 2,048 cycles
+// of tensor work: shared memory bandwidth is the bound, and the serial order leaves the TMA
+// writes the softmax phases, when no wgmma reads shared memory. Overlapping put them together.
 //
 // Measured on the H200 (S=16K, docs/performance.md): 491-509 TFLOP/s with the split softmax in
 // serial order (474 before), tensor pipe 56% busy, issue slots 30%. Not yet (next steps of
@@ -150,20 +146,15 @@ constexpr int kOffK = kOffQ + kTileBytes;
 constexpr int kOffV = kOffK + kTileBytes;
 constexpr int kOffRed = kOffV + kTileBytes;              // float4 [2][8][128]
 // The split softmax's exchange buffers, in and after the red region (one scheme per launch):
-// per consumer c, S partials of the other's key half (float4 [4][128]), P fragments of its own
-// key half (uint4 [2][128]; the pipelined order instead stores P in two 64 x 64 bf16 tiles,
-// one per tile parity, in the 128-byte swizzle that the wgmma A descriptor reads), row maxima
-// (float [64]) and, at the end, row sums (float [64]).
+// per consumer c, S partials of the other's key half (float4 [4][128]) and P fragments of its
+// own key half (uint4 [2][128]) in the red region; row maxima (float [64]) and, at the end, row
+// sums (float [64]) after it.
 constexpr int kOffXs = kOffRed;                          // float4 [2][4][128]
 constexpr int kOffXp = kOffXs + 2 * 4 * 128 * 16;        // uint4 [2][2][128]
-constexpr int kPTileBytes = 64 * 64 * 2;
-constexpr int kOffP = kOffXp;                            // bf16 [2][64][64], 1024-aligned
-constexpr int kOffXm = kOffP + 2 * kPTileBytes;          // float [2][64]
+constexpr int kOffXm = kOffRed + 2 * 8 * 128 * 16;       // float [2][64]
 constexpr int kOffXl = kOffXm + 2 * 64 * 4;              // float [2][64]
 constexpr int kOffBar = kOffXl + 2 * 64 * 4;             // 5 x uint64
-static_assert(kOffRed + 2 * 8 * 128 * 16 <= kOffBar && kOffXp + 2 * 2 * 128 * 16 <= kOffXm &&
-                  kOffP % 1024 == 0,
-              "exchange layout");
+static_assert(kOffXp + 2 * 2 * 128 * 16 <= kOffXm, "exchange layout");
 constexpr int kSmemBytes = kOffBar + 5 * 8 + 1024;       // + slack to align the base
 static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory per block is 227 KB");
 // setmaxnreg targets per variant (ptxas allocates each role's code within its target): the
@@ -179,14 +170,12 @@ constexpr int kConsumerRegs = kCluster == 1 ? 240 : 232;
 
 [[maybe_unused]] __device__ __forceinline__ float NegInf() { return __int_as_float(0xff800000); }
 
-template <int kCluster, bool kSplit, bool kPipelined>
+template <int kCluster, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1)
     Flash512Sm90Kernel(const __grid_constant__ CUtensorMap tm_q,
                        const __grid_constant__ CUtensorMap tm_k,
                        const __grid_constant__ CUtensorMap tm_v, const AttentionParams p,
                        const int num_m_blocks) {
-  static_assert(!kPipelined || (kSplit && kCluster == 1),
-                "the pipelined order exists for the split softmax of one CTA");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = px::smem_addr(smem_raw);
@@ -284,20 +273,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       };
-      // The consumers release in the order K_0, then per tile i >= 1: K_i, V_{i-1} (serial:
-      // K_i, V_i). Loading in their order, the producer never waits on a release that comes
-      // after one it is blocked behind: pipelined, K_i goes out before V_{i-1}.
-      int i = 0, prev_n0 = 0;
+      int i = 0;
       for (KeyTileCursor<kBlockN> tile = first_tile; tile.valid(); tile.Advance(), ++i) {
         load_tile(i, tile.n0(), bar_k_empty, bar_k_full, sK, &tm_k);
-        if constexpr (kPipelined) {
-          if (i > 0) load_tile(i - 1, prev_n0, bar_v_empty, bar_v_full, sV, &tm_v);
-          prev_n0 = tile.n0();
-        } else {
-          load_tile(i, tile.n0(), bar_v_empty, bar_v_full, sV, &tm_v);
-        }
+        load_tile(i, tile.n0(), bar_v_empty, bar_v_full, sV, &tm_v);
       }
-      if (kPipelined && i > 0) load_tile(i - 1, prev_n0, bar_v_empty, bar_v_full, sV, &tm_v);
     }
     // With a cluster, no CTA may exit while the other can still arrive on its barriers.
     if constexpr (kCluster == 2) hx::cluster_sync();
@@ -373,8 +353,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       auto issue_s = [&](uint32_t parity) {
         wait_full(bar_k_full, parity);
         // Opaque copies of the bases: the 32 descriptors below are then computed per tile.
-        // Loop-invariant, they were hoisted out of the pipelined order's loop (64 registers
-        // held across it) and ptxas spilled 208 bytes there.
+        // Loop-invariant, they get hoisted out of the tile loop and hold 64 registers across it
+        // (the overlapped variant of this loop spilled 208 bytes that way).
         uint32_t qh = q_half, kh = k_half;
         asm volatile("" : "+r"(qh), "+r"(kh));
         hx::wgmma_fence();
@@ -408,27 +388,21 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       };
       // The caller has rescaled O by the tile's alpha (rescale_o).
-      auto issue_pv = [&](uint32_t parity, [[maybe_unused]] uint32_t p_tile) {
+      auto issue_pv = [&](uint32_t parity) {
         wait_full(bar_v_full, parity);
         // Pin the rescaled O and the P fragments before the fence that orders these register
         // writes ahead of the wgmmas (the compiler may not sink them past it).
 #pragma unroll
         for (int e = 0; e < 128; ++e) hx::fence_operand(o[e]);
-        if constexpr (!kPipelined) {
 #pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
+        for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) hx::fence_operand(pa[kk][e]);
-        }
+          for (int e = 0; e < 4; ++e) hx::fence_operand(pa[kk][e]);
         hx::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
           const uint64_t dv = hx::desc_sw128(v_half + kk * 16 * 128, kColBlockBytes, 1024);
-          if constexpr (kPipelined) {
-            hx::wgmma_m64n256k16_ss_tb(o, hx::desc_sw128(p_tile + kk * 32, 16, 1024), dv);
-          } else {
-            hx::wgmma_m64n256k16_rs_tb(o, pa[kk], dv);
-          }
+          hx::wgmma_m64n256k16_rs_tb(o, pa[kk], dv);
         }
         hx::wgmma_commit();
       };
@@ -438,12 +412,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       auto pv_retired = [&] {
 #pragma unroll
         for (int e = 0; e < 128; ++e) hx::fence_operand(o[e]);
-        if constexpr (!kPipelined) {
 #pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
+        for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) hx::fence_operand(pa[kk][e]);
-        }
+          for (int e = 0; e < 4; ++e) hx::fence_operand(pa[kk][e]);
         release(v_empty_own, v_empty_peer);
       };
 
@@ -473,8 +445,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // same rows and key columns of the accumulator (and of P's A fragments), so every
       // exchange is a plain copy at index ct.
       // split_softmax leaves this half's exponentials in s and its P fragments sent (C);
-      // split_take_p then fills pa (own half from s, the other's from xp), once the previous
-      // P V no longer reads pa.
+      // split_take_p then fills pa: its own half from s, the other's from xp.
       [[maybe_unused]] constexpr int kOther = 1 - kHalf;
       [[maybe_unused]] float4* xs = reinterpret_cast<float4*>(smem + kOffXs);
       [[maybe_unused]] uint4* xp = reinterpret_cast<uint4*>(smem + kOffXp);
@@ -485,8 +456,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         f[2] = px::pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
         f[3] = px::pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
       };
-      auto split_softmax = [&](int64_t kpos0, int keys_left, float (&alpha)[2],
-                               [[maybe_unused]] uint32_t p_tile) {
+      auto split_softmax = [&](int64_t kpos0, int keys_left, float (&alpha)[2]) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int e = 16 * kOther + 4 * j;
@@ -545,25 +515,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rowsum[r];
-        if constexpr (kPipelined) {
-          // This half's P into the CTA's P tile (row r, keys 8j.. = 16-byte chunk j, stored at
-          // chunk j ^ (r % 8): the 128-byte swizzle; conflict-free, each lane of a store has its
-          // own row-chunk and word), made visible to the wgmmas' async proxy before (C).
 #pragma unroll
-          for (int e = 16 * kHalf; e < 16 * kHalf + 16; e += 2) {
-            const int row = 16 * wq + g + 8 * ((e >> 1) & 1), chunk = e >> 2;
-            *reinterpret_cast<uint32_t*>(smem + (p_tile - base) + row * 128 +
-                                         ((chunk ^ (row & 7)) << 4) + 4 * t4) =
-                px::pack_bf16x2(s[e], s[e + 1]);
-          }
-          hx::fence_proxy_async_shared();
-        } else {
-#pragma unroll
-          for (int kk = 2 * kHalf; kk < 2 * kHalf + 2; ++kk) {
-            uint32_t f[4];
-            pack_p(kk, f);
-            xp[(kHalf * 2 + kk - 2 * kHalf) * 128 + ct] = make_uint4(f[0], f[1], f[2], f[3]);
-          }
+        for (int kk = 2 * kHalf; kk < 2 * kHalf + 2; ++kk) {
+          uint32_t f[4];
+          pack_p(kk, f);
+          xp[(kHalf * 2 + kk - 2 * kHalf) * 128 + ct] = make_uint4(f[0], f[1], f[2], f[3]);
         }
         px::named_barrier_sync_unaligned(1, 256);  // (C)
       };
@@ -580,127 +536,89 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       };
 
-      if constexpr (kPipelined) {
-        // ---- Tile i's S and softmax overlap tile i-1's P V (FA-3's intra-warpgroup overlap):
-        // S_i is issued, then P_{i-1} V_{i-1}; wait_group 1 retires S_i, and its exchanges and
-        // exponentials run while the tensor cores do P V. The producer loads K_{i+1} as soon as
-        // S_i retires and V_i once P_{i-1} V_{i-1} has (it issues K_{i+1} before V_i). O takes
-        // tile i-1's alpha right before P_{i-1} V_{i-1}, as in the serial order; P_i is packed
-        // into pa only after P_{i-1} V_{i-1} retired (pa is its A operand until then).
-        // One loop for every tile, tile 0 included (its P V branch skipped): with tile 0 peeled
-        // into a prologue, ptxas found too few registers for two wgmma groups in flight and
-        // serialized every wgmma (C7511), which cost 8% (446 vs 482-488 TFLOP/s serial).
-        const uint32_t p_tiles = base + kOffP;  // tile i's P: p_tiles + (i & 1) * kPTileBytes
+      int i = 0;
+      for (KeyTileCursor<kBlockN> tile = first_tile; tile.valid(); ++i) {
+        const int64_t kpos0 = tile.kpos0();  // position of the tile's first key
+        const int keys_left = tile.keys_left();
+        tile.Advance();  // tile.valid(): a next tile follows
+        const uint32_t parity = i & 1;
+        issue_s(parity);
+        hx::wgmma_wait<0>();
+        s_retired();
         float alpha[2];
-        uint32_t i = 0;
-        for (KeyTileCursor<kBlockN> tile = first_tile; tile.valid(); ++i) {
-          const int64_t kpos0 = tile.kpos0();
-          const int keys_left = tile.keys_left();
-          tile.Advance();
-          issue_s(i & 1);
-          if (i > 0) {
-            issue_pv((i - 1) & 1, p_tiles + ((i - 1) & 1) * kPTileBytes);
-            hx::wgmma_wait<1>();  // S_i retired; P_{i-1} V_{i-1} may still run
-          } else {
-            hx::wgmma_wait<0>();
+
+        if constexpr (!kSplit) {
+          // ---- Exchange the D-half partials: S = S_c + S_{1-c} (same bits in both
+          // consumers). red[c] is rewritten here (tile i >= 1) only after consumer 1-c read it
+          // at tile i-1: it arrived on named barrier 2 + c after that read, this warpgroup
+          // syncs on it now (128 + 128 threads). The mbarrier chain red read -> k_empty ->
+          // producer -> k_full -> this write orders the two as well, but through the producer
+          // thread, which compute-sanitizer racecheck does not follow (it reported the pair);
+          // the barrier costs no wait in practice, the other consumer arrived a whole tile
+          // earlier.
+          if (i > 0) px::named_barrier_sync(2 + c, 256);
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            red_mine[j * 128 + ct] =
+                make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
+          px::named_barrier_sync(1, 256);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float4 v = red_other[j * 128 + ct];
+            s[4 * j] += v.x;
+            s[4 * j + 1] += v.y;
+            s[4 * j + 2] += v.z;
+            s[4 * j + 3] += v.w;
           }
-          s_retired();
+          // Done reading red[1-c]: its writer may refill it at the next tile (none after the
+          // last, so every phase of barriers 2 and 3 completes: n - 1 arrivals and n - 1 syncs
+          // each).
+          if (tile.valid()) hx::named_barrier_arrive(2 + (1 - c), 256);
+          // This warp is done with K_i (wgmmas retired) and with red[1-c] of tile i.
           release(k_empty_own, k_empty_peer);
-          split_softmax(kpos0, keys_left, alpha, p_tiles + (i & 1) * kPTileBytes);
-          if (i > 0) {
-            hx::wgmma_wait<0>();
-            pv_retired();
+
+          // ---- Online softmax on rows 16wq+g (+8), keys n0 + 8j + 2t4 + {0,1}.
+#pragma unroll
+          for (int e = 0; e < 32; ++e) s[e] *= scale_log2;
+          if (need_mask(kpos0, keys_left)) {
+#pragma unroll
+            for (int e = 0; e < 32; ++e) mask(s[e], e, kpos0, keys_left);
           }
-          rescale_o(alpha);  // O takes tile i's alpha before P_i V_i
+          float mx[2] = {NegInf(), NegInf()};
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
+            mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
+          }
+          float base_r[2], rowsum[2] = {0.f, 0.f};
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            const float m_new = fmaxf(m_run[r], mx[r]);
+            base_r[r] = m_new == NegInf() ? 0.f : m_new;  // all masked so far: exp2(-inf) = 0
+            alpha[r] = px::exp2_approx(m_run[r] - base_r[r]);
+            m_run[r] = m_new;
+          }
+#pragma unroll
+          for (int e = 0; e < 32; ++e) {
+            s[e] = px::exp2_approx(s[e] - base_r[(e >> 1) & 1]);
+            rowsum[(e >> 1) & 1] += s[e];
+          }
+#pragma unroll
+          for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rowsum[r];
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) pack_p(kk, pa[kk]);
+        } else {
+          release(k_empty_own, k_empty_peer);  // this warp's S wgmmas retired: done with K_i
+          split_softmax(kpos0, keys_left, alpha);
+          split_take_p();
         }
-        issue_pv((i - 1) & 1, p_tiles + ((i - 1) & 1) * kPTileBytes);
+
+        rescale_o(alpha);
+        issue_pv(parity);
         hx::wgmma_wait<0>();
         pv_retired();
-      } else {
-        int i = 0;
-        for (KeyTileCursor<kBlockN> tile = first_tile; tile.valid(); ++i) {
-          const int64_t kpos0 = tile.kpos0();  // position of the tile's first key
-          const int keys_left = tile.keys_left();
-          tile.Advance();  // tile.valid(): a next tile follows
-          const uint32_t parity = i & 1;
-          issue_s(parity);
-          hx::wgmma_wait<0>();
-          s_retired();
-          float alpha[2];
-
-          if constexpr (!kSplit) {
-            // ---- Exchange the D-half partials: S = S_c + S_{1-c} (same bits in both
-            // consumers). red[c] is rewritten here (tile i >= 1) only after consumer 1-c read it
-            // at tile i-1: it arrived on named barrier 2 + c after that read, this warpgroup
-            // syncs on it now (128 + 128 threads). The mbarrier chain red read -> k_empty ->
-            // producer -> k_full -> this write orders the two as well, but through the producer
-            // thread, which compute-sanitizer racecheck does not follow (it reported the pair);
-            // the barrier costs no wait in practice, the other consumer arrived a whole tile
-            // earlier.
-            if (i > 0) px::named_barrier_sync(2 + c, 256);
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-              red_mine[j * 128 + ct] =
-                  make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
-            px::named_barrier_sync(1, 256);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              const float4 v = red_other[j * 128 + ct];
-              s[4 * j] += v.x;
-              s[4 * j + 1] += v.y;
-              s[4 * j + 2] += v.z;
-              s[4 * j + 3] += v.w;
-            }
-            // Done reading red[1-c]: its writer may refill it at the next tile (none after the
-            // last, so every phase of barriers 2 and 3 completes: n - 1 arrivals and n - 1 syncs
-            // each).
-            if (tile.valid()) hx::named_barrier_arrive(2 + (1 - c), 256);
-            // This warp is done with K_i (wgmmas retired) and with red[1-c] of tile i.
-            release(k_empty_own, k_empty_peer);
-
-            // ---- Online softmax on rows 16wq+g (+8), keys n0 + 8j + 2t4 + {0,1}.
-#pragma unroll
-            for (int e = 0; e < 32; ++e) s[e] *= scale_log2;
-            if (need_mask(kpos0, keys_left)) {
-#pragma unroll
-              for (int e = 0; e < 32; ++e) mask(s[e], e, kpos0, keys_left);
-            }
-            float mx[2] = {NegInf(), NegInf()};
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
-              mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
-            }
-            float base_r[2], rowsum[2] = {0.f, 0.f};
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-              mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-              const float m_new = fmaxf(m_run[r], mx[r]);
-              base_r[r] = m_new == NegInf() ? 0.f : m_new;  // all masked so far: exp2(-inf) = 0
-              alpha[r] = px::exp2_approx(m_run[r] - base_r[r]);
-              m_run[r] = m_new;
-            }
-#pragma unroll
-            for (int e = 0; e < 32; ++e) {
-              s[e] = px::exp2_approx(s[e] - base_r[(e >> 1) & 1]);
-              rowsum[(e >> 1) & 1] += s[e];
-            }
-#pragma unroll
-            for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rowsum[r];
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) pack_p(kk, pa[kk]);
-          } else {
-            release(k_empty_own, k_empty_peer);  // this warp's S wgmmas retired: done with K_i
-            split_softmax(kpos0, keys_left, alpha, 0u);
-            split_take_p();
-          }
-
-          rescale_o(alpha);
-          issue_pv(parity, 0u);
-          hx::wgmma_wait<0>();
-          pv_retired();
-        }
       }
     }
 
@@ -784,23 +702,10 @@ bool SplitSoftmax() {
   return v;
 }
 
-// Developer knob, read once per process: JAX_MILA_FLASH512_SM90_PIPELINE=overlap runs the
-// split softmax in the pipelined order (softmax_i overlapping P_{i-1} V_{i-1}). Default off: on
-// the H200 it ran 446-447 TFLOP/s at S=16K / 32K against 482-488 in serial order in the same
-// call (docs/performance.md, eleventh round): with single-buffered K and V, the overlap leaves
-// each 64 KB load one P V or one S of time instead of most of a tile.
-bool Pipelined() {
-  static const bool v = [] {
-    const char* env = std::getenv("JAX_MILA_FLASH512_SM90_PIPELINE");
-    return env != nullptr && std::string(env) == "overlap";
-  }();
-  return v;
-}
-
-template <int kCluster, bool kSplit, bool kPipelined = false>
+template <int kCluster, bool kSplit>
 cudaError_t LaunchKernel(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
                          const AttentionParams& p, int num_m_blocks, cudaStream_t stream) {
-  auto* kernel = Flash512Sm90Kernel<kCluster, kSplit, kPipelined>;
+  auto* kernel = Flash512Sm90Kernel<kCluster, kSplit>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
@@ -858,9 +763,8 @@ cudaError_t LaunchFlashAttentionD512Sm90(const AttentionParams& p, cudaStream_t 
   if (num_m_blocks > INT32_MAX - 1) return cudaErrorInvalidValue;
   const int m_blocks = static_cast<int>(num_m_blocks);
   if (ClusterSize() == 2) return LaunchKernel<2, false>(tm_q, tm_k, tm_v, p, m_blocks, stream);
-  if (!SplitSoftmax()) return LaunchKernel<1, false>(tm_q, tm_k, tm_v, p, m_blocks, stream);
-  return Pipelined() ? LaunchKernel<1, true, true>(tm_q, tm_k, tm_v, p, m_blocks, stream)
-                     : LaunchKernel<1, true>(tm_q, tm_k, tm_v, p, m_blocks, stream);
+  return SplitSoftmax() ? LaunchKernel<1, true>(tm_q, tm_k, tm_v, p, m_blocks, stream)
+                        : LaunchKernel<1, false>(tm_q, tm_k, tm_v, p, m_blocks, stream);
 }
 
 }  // namespace mila
