@@ -102,11 +102,12 @@
 //
 // Tried and dropped (eleventh round, docs/performance.md): FA-3's overlap of tile i's softmax
 // with tile i-1's P V (S_i issued before P_{i-1} V_{i-1}, P V reading P from shared memory).
-// It ran 424-442 TFLOP/s against 494-502 in the serial order in the same call. Per tile the
-// CTA moves ~370 KB through shared memory (S's Q and K operands 128 KB, V 64 KB, the TMA
-// writes of K and V 128 KB, the exchanges), ~2,900 cycles at 128 B/cycle against 2,048 cycles
-// of tensor work: shared memory bandwidth is the bound, and the serial order leaves the TMA
-// writes the softmax phases, when no wgmma reads shared memory. Overlapping put them together.
+// It ran 424-442 TFLOP/s against 494-502 in the serial order in the same call. Our reading,
+// an estimate that ncu has not confirmed: per tile the CTA moves ~370 KB through shared memory
+// (S's Q and K operands 128 KB, V 64 KB, the TMA writes of K and V 128 KB, the exchanges),
+// ~2,900 cycles at 128 B/cycle against 2,048 cycles of tensor work. In the serial order the
+// TMA writes fall in the softmax phases, when no wgmma reads shared memory; overlapped, every
+// stream competes at once, and K_{i+1} and V_i have one wgmma batch each to arrive in.
 //
 // Measured on the H200 (S=16K, docs/performance.md): 491-509 TFLOP/s with the split softmax in
 // serial order (474 before), tensor pipe 56% busy, issue slots 30%. Not yet (next steps of
