@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,35 @@ class FidelityTest(absltest.TestCase):
         self.assertTrue(result["forward"]["chunked_prefill_last_logits"]["top1_equal"], msg)
         self.assertTrue(result["generate"]["equal"], msg)
         self.assertLen(result["generate"]["kernel_tokens"], 6)
+
+    def test_divergence_reports_both_margins(self):
+        ref = np.zeros(5)
+        ker = np.zeros(5)
+        ref[[1, 3]] = 2.0, 1.5   # the reference picks token 1, by 0.5 over token 3
+        ker[[1, 3]] = 1.9, 2.2   # the kernel path picks token 3, by 0.3 over token 1
+        d = fidelity.divergence(ref, ker, ref_token=1, kernel_token=3)
+        self.assertAlmostEqual(d["reference_margin"], 0.5)
+        self.assertAlmostEqual(d["kernel_margin"], 0.3)
+        self.assertAlmostEqual(d["max_abs_logit_diff"], 0.7)
+
+    def test_generate_mismatch_reports_the_divergence(self):
+        # A kernel path whose third greedy token is changed: the check names that token and
+        # measures both paths' logits over the common prefix there.
+        real = fidelity.generate
+
+        def flipped(model, ids, n, **kw):
+            tokens = real(model, ids, n, **kw)
+            return tokens.at[0, 2].add(1) if "cache" in kw else tokens
+
+        with mock.patch.object(fidelity, "generate", flipped):
+            g = fidelity.compare_generate(prompt_tokens=12, new_tokens=4, chunk=8, seed=SEED)
+        self.assertFalse(g["equal"])
+        self.assertEqual(g["first_mismatch"], 2)
+        d = g["divergence"]
+        if not _registry.cuda_capabilities():  # same computation: the reference's own margin
+            self.assertEqual(d["max_abs_logit_diff"], 0.0)
+            self.assertGreaterEqual(d["reference_margin"], 0.0)
+            self.assertAlmostEqual(d["kernel_margin"], -d["reference_margin"])
 
     def test_per_layer_error_starts_at_the_perturbed_layer(self):
         cfg = fidelity.model_config("tiny")

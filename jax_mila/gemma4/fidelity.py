@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_mila.gemma4.generate import generate, prefill
+from jax_mila.gemma4.generate import forward, generate, prefill
 from jax_mila import ffi
 from jax_mila.ffi import _registry
 from jax_mila.gemma4.config import Gemma4Config
@@ -197,10 +197,27 @@ def compare_generate(path=None, *, prompt_tokens: int = 48, new_tokens: int = 32
     got = np.asarray(generate(kernel, ids, new_tokens, cache=cache, logits=logits))[0]
     want = np.asarray(generate(reference, ids, new_tokens))[0]
     diff = np.flatnonzero(got != want)
-    return dict(checkpoint=str(path), quantize=quantize, prompt_tokens=prompt_tokens,
-                prefill_chunk=chunk, new_tokens=new_tokens, equal=bool(diff.size == 0),
-                first_mismatch=int(diff[0]) if diff.size else None,
-                kernel_tokens=got.tolist(), reference_tokens=want.tolist())
+    out = dict(checkpoint=str(path), quantize=quantize, prompt_tokens=prompt_tokens,
+               prefill_chunk=chunk, new_tokens=new_tokens, equal=bool(diff.size == 0),
+               first_mismatch=int(diff[0]) if diff.size else None,
+               kernel_tokens=got.tolist(), reference_tokens=want.tolist())
+    if diff.size:
+        # Both paths' logits over the common prefix, at the first token they disagree on: a
+        # near-tie (margins inside the paths' logit difference) or a real divergence.
+        k = int(diff[0])
+        prefix = jnp.concatenate([ids, jnp.asarray(want[None, :k], jnp.int32)], axis=1)
+        last = lambda m: np.asarray(forward(m, prefix)[0, -1].astype(jnp.float32))  # noqa: E731
+        out["divergence"] = divergence(last(reference), last(kernel), int(want[k]), int(got[k]))
+    return out
+
+
+def divergence(ref_logits, kernel_logits, ref_token: int, kernel_token: int) -> dict:
+    """How far apart the two paths are where their greedy tokens first differ: each path's
+    margin for its own token over the other's, and the largest logit difference there."""
+    ref, ker = np.asarray(ref_logits, np.float64), np.asarray(kernel_logits, np.float64)
+    return dict(reference_margin=float(ref[ref_token] - ref[kernel_token]),
+                kernel_margin=float(ker[kernel_token] - ker[ref_token]),
+                max_abs_logit_diff=float(np.abs(ker - ref).max()))
 
 
 # ---- report --------------------------------------------------------------------------------
@@ -230,6 +247,12 @@ def format_table(result: dict) -> str:
                      f"quantize={g['quantize']}): "
                      + ("equal to the reference" if g["equal"]
                         else f"DIFFERS from token {g['first_mismatch']}"))
+        if "divergence" in g:
+            d = g["divergence"]
+            lines.append(f"    there, one-shot forwards over the common prefix: the reference "
+                         f"prefers its token by {d['reference_margin']:.4g} logits, the kernel "
+                         f"path its own by {d['kernel_margin']:.4g}; largest logit difference "
+                         f"{d['max_abs_logit_diff']:.4g}")
     lines += [f"  kernel: {v}" for v in result.get("kernels", {}).values()]
     lines += [f"  fallback: {v}" for v in result.get("fallbacks", [])]
     # "| " rows: what scripts/gpu_round.sh shows of a benchmark's output.
