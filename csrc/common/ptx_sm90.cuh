@@ -244,6 +244,19 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 // wgmma that uses it and the wait that retires that wgmma.
 __device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x)::"memory"); }
 __device__ __forceinline__ void fence_operand(uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
+// Every register of a wgmma accumulator or of its A fragments.
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&x)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) fence_operand(x[i]);
+}
+template <int M, int N>
+__device__ __forceinline__ void fence_operands(uint32_t (&x)[M][N]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) fence_operand(x[i][j]);
+}
 
 // S[64 x 64] (+)= A[64 x 16] * B[16 x 64]^T: A and B K-major in shared memory (descriptors),
 // bf16 in, fp32 accumulators in the m64nNk16 accumulator layout. kAccumulate = false starts

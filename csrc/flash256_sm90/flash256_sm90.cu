@@ -110,6 +110,7 @@
 #include "common/attention_params.h"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
+#include "common/softmax_fragments.cuh"
 #include "common/tensor_map.h"
 #include "flash256_sm90/flash256_sm90.h"
 
@@ -118,6 +119,7 @@ namespace {
 
 namespace px = ::mila::ptx;
 namespace hx = ::mila::ptx::sm90;
+namespace sf = ::mila::softmax_fragments;
 
 constexpr int kD = 256;
 constexpr int kRowsPerConsumer = 64;
@@ -148,7 +150,7 @@ constexpr int kPingPong = 2;  // kOverlap, and the consumers take turns issuing 
 [[maybe_unused]] constexpr float kLog2e = 1.4426950408889634f;
 [[maybe_unused]] constexpr float kLn2 = 0.6931471805599453f;
 
-[[maybe_unused]] __device__ __forceinline__ float NegInf() { return __int_as_float(0xff800000); }
+using sf::NegInf;
 
 // Key tiles [tile_lo, tile_hi) that packed rows [r_first, r_last] can see (empty when
 // r_first > r_last). Positions in int64, as in flash512.cu.
@@ -326,17 +328,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int kk = 0; kk < 4; ++kk)
       hx::wgmma_m64n256k16_rs_tb(o, pa[kk], dv + ((kk * 16 * 128) >> 4));
   };
-  auto fence_s = [&] {
-#pragma unroll
-    for (int e = 0; e < 32; ++e) hx::fence_operand(s[e]);
-  };
+  auto fence_s = [&] { hx::fence_operands(s); };
   auto fence_o_pa = [&] {
-#pragma unroll
-    for (int e = 0; e < 128; ++e) hx::fence_operand(o[e]);
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) hx::fence_operand(pa[kk][e]);
+    hx::fence_operands(o);
+    hx::fence_operands(pa);
   };
   // Online softmax of the retired S of the tile at key n0, rows 16wq+g (+8), keys
   // n0 + 8j + 2t4 + {0,1}: updates m_run and l_run, leaves P (fp32) in s and returns the O
@@ -365,51 +360,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (kofs < lo[r] || kofs > hi[r]) s[e] = NegInf();
       }
     }
-    float mx[2] = {NegInf(), NegInf()};
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
-      mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
-    }
-    float base_r[2], rowsum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float m_new = fmaxf(m_run[r], mx[r]);
-      base_r[r] = m_new == NegInf() ? 0.f : m_new;  // all masked so far: exp2(-inf) = 0
-      alpha[r] = px::exp2_approx(m_run[r] - base_r[r]);
-      m_run[r] = m_new;
-    }
-#pragma unroll
-    for (int e = 0; e < 32; ++e) {
-      s[e] = px::exp2_approx(s[e] - base_r[(e >> 1) & 1]);
-      rowsum[(e >> 1) & 1] += s[e];
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rowsum[r];
+    sf::OnlineSoftmax(s, m_run, l_run, alpha);
   };
   // P (in s) as wgmma A fragments: k-step kk of P V covers keys 16kk.. = accumulator n8 blocks
   // 2kk, 2kk+1. Only once the previous P V retired: pa is its A operand (writing other
   // registers meanwhile also makes ptxas serialize the wgmmas, C7513).
   auto convert_p = [&] {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      pa[kk][0] = px::pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = px::pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = px::pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = px::pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+    for (int kk = 0; kk < 4; ++kk) sf::PackPFragment(s, kk, pa[kk]);
   };
-  auto rescale_o = [&](const float (&alpha)[2]) {
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[4 * j] *= alpha[0];
-      o[4 * j + 1] *= alpha[0];
-      o[4 * j + 2] *= alpha[1];
-      o[4 * j + 3] *= alpha[1];
-    }
-  };
+  auto rescale_o = [&](const float (&alpha)[2]) { sf::RescaleRows(o, alpha); };
   // Ping-pong turns (kPingPong only; see "Ping-pong"): consumer c issues the wgmmas of its
   // event e after consumer 1 - c issued those of its event e - 1 (c = 0) or e (c = 1).
   auto turn_begin = [&] {

@@ -127,6 +127,7 @@
 #include "common/key_tiles.cuh"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
+#include "common/softmax_fragments.cuh"
 #include "common/tensor_map.h"
 #include "flash512_sm90/flash512_sm90.h"
 
@@ -135,6 +136,7 @@ namespace {
 
 namespace px = ::mila::ptx;
 namespace hx = ::mila::ptx::sm90;
+namespace sf = ::mila::softmax_fragments;
 
 constexpr int kD = 512;
 constexpr int kBlockM = 64;
@@ -169,7 +171,7 @@ constexpr int kConsumerRegs = kCluster == 1 ? 240 : 232;
 [[maybe_unused]] constexpr float kLog2e = 1.4426950408889634f;
 [[maybe_unused]] constexpr float kLn2 = 0.6931471805599453f;
 
-[[maybe_unused]] __device__ __forceinline__ float NegInf() { return __int_as_float(0xff800000); }
+using sf::NegInf;
 
 template <int kCluster, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -373,32 +375,21 @@ __global__ void __launch_bounds__(kThreads, 1)
         hx::wgmma_commit();
       };
       // After the wait_group that retires S: no read of s may move above it.
-      auto s_retired = [&] {
-#pragma unroll
-        for (int e = 0; e < 32; ++e) hx::fence_operand(s[e]);
-      };
+      auto s_retired = [&] { hx::fence_operands(s); };
       // ---- O_c = O_c * alpha + P V[:, 256c : 256c+256] (v_full parity `parity`): issued and
       // committed; the caller waits, then calls pv_retired.
-      auto rescale_o = [&](const float (&alpha)[2]) {
-#pragma unroll
-        for (int i2 = 0; i2 < 32; ++i2) {
-          o[4 * i2] *= alpha[0];
-          o[4 * i2 + 1] *= alpha[0];
-          o[4 * i2 + 2] *= alpha[1];
-          o[4 * i2 + 3] *= alpha[1];
-        }
+      auto rescale_o = [&](const float (&alpha)[2]) { sf::RescaleRows(o, alpha); };
+      // P V's register operands, O and P, pinned: no access to them moves across this point.
+      auto fence_pv_operands = [&] {
+        hx::fence_operands(o);
+        hx::fence_operands(pa);
       };
       // The caller has rescaled O by the tile's alpha (rescale_o).
       auto issue_pv = [&](uint32_t parity) {
         wait_full(bar_v_full, parity);
-        // Pin the rescaled O and the P fragments before the fence that orders these register
-        // writes ahead of the wgmmas (the compiler may not sink them past it).
-#pragma unroll
-        for (int e = 0; e < 128; ++e) hx::fence_operand(o[e]);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) hx::fence_operand(pa[kk][e]);
+        // The rescaled O and the P fragments are written before the fence that orders these
+        // register writes ahead of the wgmmas (the compiler may not sink them past it).
+        fence_pv_operands();
         hx::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
@@ -411,12 +402,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // operand fences keep them live and in place (the compiler may neither reuse P's
       // registers nor touch O while the wgmmas run), and V's buffer is released.
       auto pv_retired = [&] {
-#pragma unroll
-        for (int e = 0; e < 128; ++e) hx::fence_operand(o[e]);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) hx::fence_operand(pa[kk][e]);
+        fence_pv_operands();
         release(v_empty_own, v_empty_peer);
       };
 
@@ -451,12 +437,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       [[maybe_unused]] float4* xs = reinterpret_cast<float4*>(smem + kOffXs);
       [[maybe_unused]] uint4* xp = reinterpret_cast<uint4*>(smem + kOffXp);
       [[maybe_unused]] float* xm = reinterpret_cast<float*>(smem + kOffXm);
-      auto pack_p = [&](int kk, uint32_t (&f)[4]) {
-        f[0] = px::pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
-        f[1] = px::pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
-        f[2] = px::pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
-        f[3] = px::pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
-      };
+      auto pack_p = [&](int kk, uint32_t (&f)[4]) { sf::PackPFragment(s, kk, f); };
       auto split_softmax = [&](int64_t kpos0, int keys_left, float (&alpha)[2]) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -585,6 +566,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int e = 0; e < 32; ++e) mask(s[e], e, kpos0, keys_left);
           }
+          // The steps of softmax_fragments.cuh's OnlineSoftmax, written out: calling it here
+          // changes ptxas's input (PTX not identical to the build the GPU tests and sanitizers
+          // passed), so the fold waits for a device run of this path.
           float mx[2] = {NegInf(), NegInf()};
 #pragma unroll
           for (int j = 0; j < 8; ++j) {

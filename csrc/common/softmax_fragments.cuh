@@ -1,0 +1,67 @@
+// Online-softmax steps on a Hopper wgmma accumulator fragment, shared by the sm_90a attention
+// kernels (flash256_sm90, flash512_sm90). Layout (m64nN, fp32, one warp's 16 rows): element
+// 4j + {0, 1} belongs to row g = lane / 4, elements 4j + {2, 3} to row g + 8, columns
+// 8j + 2 (lane % 4) + {0, 1}; a row's values are spread over the 4 lanes of its quad.
+#pragma once
+
+#include <cstdint>
+
+#include "common/ptx.cuh"
+
+namespace mila::softmax_fragments {
+
+__device__ __forceinline__ float NegInf() { return __int_as_float(0xff800000); }
+
+// Online softmax of one 64-key S tile (32 values a thread, already scaled to log2 units and
+// masked to -inf): updates the running row maxima and sums, leaves P = exp2(s - max) in s and
+// returns each row's rescale factor for O in alpha. A row with no visible key so far keeps
+// m = -inf and takes base 0, so its P and alpha are exp2(-inf) = 0.
+__device__ __forceinline__ void OnlineSoftmax(float (&s)[32], float (&m_run)[2],
+                                              float (&l_run)[2], float (&alpha)[2]) {
+  float mx[2] = {NegInf(), NegInf()};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
+    mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
+  }
+  float base_r[2], rowsum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    const float m_new = fmaxf(m_run[r], mx[r]);
+    base_r[r] = m_new == NegInf() ? 0.f : m_new;
+    alpha[r] = ptx::exp2_approx(m_run[r] - base_r[r]);
+    m_run[r] = m_new;
+  }
+#pragma unroll
+  for (int e = 0; e < 32; ++e) {
+    s[e] = ptx::exp2_approx(s[e] - base_r[(e >> 1) & 1]);
+    rowsum[(e >> 1) & 1] += s[e];
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rowsum[r];
+}
+
+// O *= alpha, row by row (rows g and g + 8).
+template <int N>
+__device__ __forceinline__ void RescaleRows(float (&o)[N], const float (&alpha)[2]) {
+#pragma unroll
+  for (int j = 0; j < N / 4; ++j) {
+    o[4 * j] *= alpha[0];
+    o[4 * j + 1] *= alpha[0];
+    o[4 * j + 2] *= alpha[1];
+    o[4 * j + 3] *= alpha[1];
+  }
+}
+
+// P's wgmma A fragment (bf16) for k-step kk of P V: keys 16kk.. = accumulator n8 blocks 2kk and
+// 2kk + 1, i.e. elements 8kk .. 8kk + 7.
+__device__ __forceinline__ void PackPFragment(const float (&s)[32], int kk, uint32_t (&f)[4]) {
+  f[0] = ptx::pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
+  f[1] = ptx::pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
+  f[2] = ptx::pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
+  f[3] = ptx::pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
+}
+
+}  // namespace mila::softmax_fragments
