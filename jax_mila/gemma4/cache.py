@@ -161,9 +161,9 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool):
     # write below): attention needs these buffers anyway.
     k_view, v_view = jax.lax.optimization_barrier((slab(k_buf, k), slab(v_buf, v)))
     # Only the last min(valid, R) real tokens reach the ring, so the scatter takes m = min(T, R)
-    # rows (chunk tokens valid-m .. valid-1; those before token 0 are dropped), not T: XLA's
-    # scatter costs per update row (12B, chunk 4096, R 1024: 4096 rows cost 16 ms of a 32K
-    # prefill, docs/performance.md). The slots are distinct (m <= R consecutive positions).
+    # rows (chunk tokens valid-m .. valid-1; those before token 0 are dropped), not T (12B,
+    # chunk 4096, R 1024: 16.4 ms of a 32K prefill over 4096 rows, 12.1 ms over 1024;
+    # docs/performance.md). The slots are distinct (m <= R consecutive positions).
     m = min(t, size)
     src = valid - m + jnp.arange(m, dtype=jnp.int32)  # chunk token of update row j
     slots = jnp.where(src >= 0, (pos + src) % size, size)
