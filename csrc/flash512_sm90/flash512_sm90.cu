@@ -355,9 +355,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       // (k_full parity `parity`): issued and committed; the caller waits.
       auto issue_s = [&](uint32_t parity) {
         wait_full(bar_k_full, parity);
-        // Opaque copies of the bases: the 32 descriptors below are then computed per tile.
-        // Loop-invariant, they get hoisted out of the tile loop and hold 64 registers across it
-        // (the overlapped variant of this loop spilled 208 bytes that way).
+        // Opaque copies of the bases, so that the 32 descriptors below are computed per tile:
+        // loop-invariant, they may be hoisted out of the tile loop and hold 64 registers across
+        // it (the overlapped variant of this loop spilled 208 bytes from exactly that).
         uint32_t qh = q_half, kh = k_half;
         asm volatile("" : "+r"(qh), "+r"(kh));
         hx::wgmma_fence();
