@@ -72,9 +72,11 @@ class FidelityTest(absltest.TestCase):
         with mock.patch.object(fidelity, "generate", flipped):
             g = fidelity.compare_generate(prompt_tokens=12, new_tokens=4, chunk=8, seed=SEED)
         self.assertFalse(g["equal"])
-        self.assertEqual(g["first_mismatch"], 2)
         d = g["divergence"]
-        if not _registry.cuda_capabilities():  # same computation: the reference's own margin
+        if _registry.cuda_capabilities():  # the kernel path may also differ earlier on its own
+            self.assertLessEqual(g["first_mismatch"], 2)
+        else:  # the same computation: the flip is the only difference
+            self.assertEqual(g["first_mismatch"], 2)
             self.assertEqual(d["max_abs_logit_diff"], 0.0)
             self.assertGreaterEqual(d["reference_margin"], 0.0)
             self.assertAlmostEqual(d["kernel_margin"], -d["reference_margin"])
