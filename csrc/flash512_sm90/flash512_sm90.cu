@@ -431,8 +431,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // then, so bar.sync alone orders every reuse. Thread ct of both consumers holds the
       // same rows and key columns of the accumulator (and of P's A fragments), so every
       // exchange is a plain copy at index ct.
-      // split_softmax leaves this half's exponentials in s and its P fragments sent (C);
-      // split_take_p then fills pa: its own half from s, the other's from xp.
+      // It leaves P's A fragments in pa: its own half from s, the other's from xp.
       [[maybe_unused]] constexpr int kOther = 1 - kHalf;
       [[maybe_unused]] float4* xs = reinterpret_cast<float4*>(smem + kOffXs);
       [[maybe_unused]] uint4* xp = reinterpret_cast<uint4*>(smem + kOffXp);
@@ -504,8 +503,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           xp[(kHalf * 2 + kk - 2 * kHalf) * 128 + ct] = make_uint4(f[0], f[1], f[2], f[3]);
         }
         px::named_barrier_sync_unaligned(1, 256);  // (C)
-      };
-      auto split_take_p = [&] {
 #pragma unroll
         for (int kk = 2 * kHalf; kk < 2 * kHalf + 2; ++kk) pack_p(kk, pa[kk]);
 #pragma unroll
@@ -597,7 +594,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         } else {
           release(k_empty_own, k_empty_peer);  // this warp's S wgmmas retired: done with K_i
           split_softmax(kpos0, keys_left, alpha);
-          split_take_p();
         }
 
         rescale_o(alpha);
