@@ -135,13 +135,15 @@ class ChunkSizeTest(absltest.TestCase):
         self.assertEqual(chunk(2**34, 0, memory_limit=2**40), gen.MAX_CHUNK)  # the device's limit wins
 
 
-def _trace(events, threads):
+def _trace(events, threads, starts=None):
+    """events: (pid, tid, name, dur); starts: their "ts" (default 0 each)."""
     meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}}]
     meta += [{"ph": "M", "pid": p, "tid": t, "name": "thread_name", "args": {"name": n}}
              for (p, t), n in threads.items()]
-    return {"traceEvents": meta + [{"ph": "X", "pid": p, "tid": t, "name": n, "ts": 0, "dur": d}
-                                   for p, t, n, d in events]}
+    starts = starts or [0] * len(events)
+    return {"traceEvents": meta + [{"ph": "X", "pid": p, "tid": t, "name": n, "ts": ts, "dur": d}
+                                   for (p, t, n, d), ts in zip(events, starts)]}
 
 
 class TraceTest(absltest.TestCase):
@@ -212,6 +214,25 @@ class TraceTest(absltest.TestCase):
                 ("void mila::(anonymous namespace)::ws::w4a8_wgmma_ws_kernel<__nv_bfloat16>"
                  "(CUtensorMap_st, CUtensorMap_st, mila::W4A8Args)", "w4a8 gemm")):
             self.assertEqual(trace.bucket_of(name), bucket, name)
+
+    def test_timeline_idle_gaps(self):
+        # Two streams of one device; b overlaps a (counted once), then gaps of 3 us, 50 us and
+        # 2 ms; the host line is not a device stream.
+        threads = {(1, 7): "Stream #7(Compute)", (1, 8): "Stream #8(Compute)", (2, 1): "python3"}
+        events = [(1, 7, "a", 100), (1, 8, "b", 50), (1, 7, "c", 10), (1, 8, "d", 20),
+                  (1, 7, "e", 30), (2, 1, "host", 10000)]
+        starts = [0, 80, 133, 193, 2213, 0]
+        t = trace.timeline(_trace(events, threads, starts))
+        self.assertEqual(list(t), ["/device:GPU:0"])
+        gpu = t["/device:GPU:0"]
+        self.assertAlmostEqual(gpu["span_ms"], 2.243)
+        self.assertAlmostEqual(gpu["busy_ms"], (130 + 10 + 20 + 30) / 1e3)
+        self.assertAlmostEqual(gpu["idle_ms"], (3 + 50 + 2000) / 1e3)
+        self.assertEqual([n for n, _ in gpu["gaps"].values()], [1, 0, 1, 0, 1])
+        self.assertAlmostEqual(gpu["gaps"][">1ms"][1], 2.0)
+        # The kernel before a gap is the one that ended last (b, not the longer-started a).
+        self.assertEqual(gpu["top_gaps"][0][1:], ["d", "e"])
+        self.assertEqual(gpu["top_gaps"][2][1:], ["b", "c"])
 
     def test_no_device_events(self):
         with tempfile.TemporaryDirectory() as d:

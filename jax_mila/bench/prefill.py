@@ -497,7 +497,7 @@ def report(rows: list[dict], backends: list[str], seqs: list[int]) -> str:
                      "KV cache", "activations+workspace", "per chunk token KiB",
                      "XLA plan: chunk step temp"], mem), ""]
 
-    from jax_mila.bench.trace import BUCKET_NAMES
+    from jax_mila.bench.trace import BUCKET_NAMES, GAP_CLASSES
 
     def shares(ms):
         return [f"{ms['total']:.1f}"] + [
@@ -524,6 +524,22 @@ def report(rows: list[dict], backends: list[str], seqs: list[int]) -> str:
                  _table(["backend", "seq", "kernels"] + list(BUCKET_NAMES), split)]
     if heaviest:
         text += ["", "Heaviest kernels in \"other\" (summed over devices)"] + heaviest
+    idle, longest = [], []
+    for b in backends:
+        for s in seqs:
+            for device, t in ((by.get((b, s), {}).get("split_ms") or {}).get("timeline") or {}).items():
+                gpu = device.rsplit(":", 1)[-1]
+                idle.append([b, s, gpu, f"{t['span_ms']:.1f}", f"{t['busy_ms']:.1f}",
+                             f"{t['idle_ms']:.1f}"] +
+                            [f"{n} / {ms:.1f}" for n, ms in t["gaps"].values()])
+                longest += [f"{b} {s} GPU{gpu}: {ms:.2f} ms after {before[:60]} before {after[:60]}"
+                            for ms, before, after in t["top_gaps"][:3]]
+    if idle:
+        text += ["", "Device timeline of the profiled prefill, ms (idle = span - busy: launch "
+                 "latency and host waits; gaps: count / ms)",
+                 _table(["backend", "seq", "GPU", "span", "busy", "idle"] +
+                        [f"gaps {label}" for label, _ in GAP_CLASSES], idle)]
+        text += ["Longest gaps"] + longest
     for n in sorted(notes):
         text.append(f"op split: {n}")
     return "\n".join(text)

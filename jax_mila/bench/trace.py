@@ -6,7 +6,8 @@ one thread per CUDA stream ("Stream #..."), whose complete events ("ph": "X", "d
 are the kernels and copies as CUPTI saw them. Other device threads ("XLA Ops", "XLA
 Modules", ...) repeat the same time under HLO names and are skipped, so nothing is counted
 twice. Kernels are bucketed by name (BUCKETS, first match wins); the sum is device busy time,
-not wall time (streams can overlap, and host gaps are not in it). With several devices the
+not wall time (streams can overlap, and host gaps are not in it; :func:`timeline` measures
+those gaps). With several devices the
 split is also kept per device: NCCL kernels spin while they wait for a peer, so a device's
 "collectives" time is transfers plus the other devices' lateness.
 """
@@ -52,6 +53,13 @@ def find_trace(log_dir: str) -> str | None:
 def kernel_events(trace: dict):
     """(device, name, duration in us) of every kernel / copy on a device stream of a parsed
     trace; device is the process name ("/device:GPU:0")."""
+    for device, name, _, dur in kernel_intervals(trace):
+        yield device, name, dur
+
+
+def kernel_intervals(trace: dict):
+    """(device, name, start in us, duration in us) of every kernel / copy on a device stream
+    of a parsed trace; device is the process name ("/device:GPU:0")."""
     events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
     devices, threads = {}, {}
     for e in events:
@@ -67,16 +75,64 @@ def kernel_events(trace: dict):
         streams = {k for k, n in threads.items() if k[0] in devices and not _SKIP_THREADS.search(n)}
     for e in events:
         if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams:
-            yield devices[e.get("pid")], str(e.get("name", "")), float(e.get("dur", 0.0))
+            yield (devices[e.get("pid")], str(e.get("name", "")), float(e.get("ts", 0.0)),
+                   float(e.get("dur", 0.0)))
 
 
 def split_by_op(trace_path: str) -> dict | None:
     """{bucket: milliseconds} of device kernel time summed over the devices, plus "total",
     "kernels" (the count), "per_device" ({device: {bucket: ms, "total": ms}}) and
-    "top_other" ([name, ms] of the heaviest kernels no bucket took); None when the trace holds
-    no device events (CPU, or the profiler saw no GPU)."""
+    "top_other" ([name, ms] of the heaviest kernels no bucket took) and "timeline" (see
+    :func:`timeline`); None when the trace holds no device events (CPU, or the profiler saw no
+    GPU)."""
     with gzip.open(trace_path, "rt") as f:
         trace = json.load(f)
+    split = _split(trace)
+    if split is not None:
+        split["timeline"] = timeline(trace)
+    return split
+
+
+# Idle stretches of a device between its kernels, by length in us: (label, upper bound).
+GAP_CLASSES = (("<5us", 5.0), ("5-20us", 20.0), ("20-100us", 100.0), ("0.1-1ms", 1e3),
+               (">1ms", float("inf")))
+TOP_GAPS = 8
+
+
+def timeline(trace: dict) -> dict:
+    """Per device: how busy its streams were between the first kernel's start and the last
+    one's end. {device: {"span_ms", "busy_ms" (union of kernel intervals: overlapping streams
+    count once), "idle_ms" (span - busy), "gaps" ({class: [count, ms]} over GAP_CLASSES),
+    "top_gaps" ([ms, kernel before, kernel after] of the longest TOP_GAPS)}}. The idle time is
+    what the kernel sums of split_by_op leave out of a wall-clock measurement: launch latency,
+    host work the device waited for, synchronizations."""
+    per_device = {}
+    for device, name, ts, dur in kernel_intervals(trace):
+        per_device.setdefault(device, []).append((ts, ts + dur, name))
+    out = {}
+    for device, spans in sorted(per_device.items()):
+        spans.sort()
+        gaps = {label: [0, 0.0] for label, _ in GAP_CLASSES}
+        top = []
+        busy, end, last = 0.0, spans[0][0], spans[0][2]
+        for start, stop, name in spans:
+            if start > end:  # idle from the latest end so far to this start
+                idle = start - end
+                label = next(lbl for lbl, bound in GAP_CLASSES if idle < bound)
+                gaps[label][0] += 1
+                gaps[label][1] += idle / 1e3
+                top.append((idle / 1e3, last, name))
+            busy += max(0.0, stop - max(start, end))
+            if stop > end:
+                end, last = stop, name
+        top.sort(key=lambda g: -g[0])
+        out[device] = {"span_ms": (end - spans[0][0]) / 1e3, "busy_ms": busy / 1e3,
+                       "idle_ms": (end - spans[0][0] - busy) / 1e3, "gaps": gaps,
+                       "top_gaps": [list(g) for g in top[:TOP_GAPS]]}
+    return out
+
+
+def _split(trace: dict) -> dict | None:
     ms = {b: 0.0 for b in BUCKET_NAMES}
     per_device, other = {}, {}
     count = 0
