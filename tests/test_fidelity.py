@@ -59,6 +59,12 @@ class FidelityTest(absltest.TestCase):
         self.assertAlmostEqual(d["reference_margin"], 0.5)
         self.assertAlmostEqual(d["kernel_margin"], 0.3)
         self.assertAlmostEqual(d["max_abs_logit_diff"], 0.7)
+        self.assertTrue(d["near_tie"])  # a margin of 0.5 inside a 0.7 difference
+        ker[1] = 2.0 - 0.1
+        ker[3] = 2.0 + 0.1  # the paths now differ by at most 0.6: still inside
+        self.assertTrue(fidelity.divergence(ref, ker, 1, 3)["near_tie"])
+        ref[1] = 3.0        # the reference prefers token 1 by 1.5, more than any difference (1.1)
+        self.assertFalse(fidelity.divergence(ref, ker, 1, 3)["near_tie"])
 
     def test_generate_mismatch_reports_the_divergence(self):
         # A kernel path whose third greedy token is changed: the check names that token and
@@ -80,6 +86,8 @@ class FidelityTest(absltest.TestCase):
             self.assertEqual(d["max_abs_logit_diff"], 0.0)
             self.assertGreaterEqual(d["reference_margin"], 0.0)
             self.assertAlmostEqual(d["kernel_margin"], -d["reference_margin"])
+            # A flip the logits do not explain is a divergence, not a near tie.
+            self.assertEqual(d["near_tie"], d["reference_margin"] == 0.0)
 
     def test_per_layer_error_starts_at_the_perturbed_layer(self):
         cfg = fidelity.model_config("tiny")

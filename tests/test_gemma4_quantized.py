@@ -29,6 +29,7 @@ from jax_mila.__main__ import main
 from jax_mila.gemma4 import mxfp4_names
 from jax_mila.gemma4.convert import convert
 from jax_mila.gemma4.loader import CheckpointError
+from jax_mila.quant import mxfp4
 import gemma4_hf_fixtures as fx
 
 NAME = "w4a8_all_features"
@@ -122,7 +123,39 @@ class QuantizedGemma4Test(absltest.TestCase):
         self.assertGreaterEqual(ratio, 4.25 / 16)
         self.assertLessEqual(ratio, (4.25 + 8 / k_min) / 16)
         with open(os.path.join(self.converted, "config.json")) as f:
-            self.assertEqual(json.load(f)[mxfp4_names.CONFIG_KEY], {"format": "mxfp4", "version": 1})
+            self.assertEqual(json.load(f)[mxfp4_names.CONFIG_KEY], {"format": "mxfp4", "version": 2})
+
+    def _rewritten(self, d, version, tensor_map=lambda name, t: t):
+        """A copy of the converted checkpoint in ``d`` whose config names ``version`` and whose
+        tensors went through ``tensor_map``."""
+        tensors = load_file(os.path.join(self.converted, "model.safetensors"))
+        save_file({n: tensor_map(n, t) for n, t in tensors.items()}, os.path.join(d, "model.safetensors"))
+        with open(os.path.join(self.converted, "config.json")) as f:
+            config = json.load(f)
+        config[mxfp4_names.CONFIG_KEY]["version"] = version
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(config, f)
+
+    def test_version_1_checkpoint_loads_identically(self):
+        # Checkpoints written before format version 2 kept each code's sign in its own nibble;
+        # the loader converts their packed bytes, so the model is bit-identical.
+        def to_v1(name, t):
+            if not name.endswith("_mxfp4_packed"):
+                return t
+            stored = np.asarray(mxfp4._unpack_words(t)).reshape(t.shape[0], -1, 2)  # storage order
+            return jnp.asarray((stored[..., 0] | (stored[..., 1] << 4)).astype(np.uint8))
+
+        with tempfile.TemporaryDirectory() as d:
+            self._rewritten(d, 1, to_v1)
+            old = gemma4.forward(gemma4.from_pretrained(d, dtype=jnp.float32, quantize="w4a8"), self.ids)
+        new = gemma4.forward(gemma4.from_pretrained(self.converted, dtype=jnp.float32, quantize="w4a8"), self.ids)
+        np.testing.assert_array_equal(np.asarray(old), np.asarray(new))
+
+    def test_unknown_format_version_is_refused(self):
+        with tempfile.TemporaryDirectory() as d:
+            self._rewritten(d, 3)
+            with self.assertRaisesRegex(CheckpointError, r"'version': 3.*not a format this version reads"):
+                gemma4.from_pretrained(d, quantize="w4a8")
 
     def test_sharded_output_loads_identically(self):
         out = os.path.join(self._tmp.name, "sharded")

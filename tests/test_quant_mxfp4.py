@@ -186,7 +186,9 @@ class MXFP4FormatTest(parameterized.TestCase):
             quant.quantize_mxfp4(jnp.ones((4, 128), jnp.int32))
 
     def test_kernel_order_words(self):
-        # Word (q, b) of group G holds block b's k = 4q..4q+3 (low half), 16+4q..16+4q+3 (high).
+        # Word (q, b) of group G holds block b's k = 4q..4q+3 (codes 0-3) and 16+4q..16+4q+3
+        # (codes 4-7): magnitudes in their own nibbles, signs where the kernel's conversion
+        # wants them (format version 2): code j's at bit 8j + 7, code 4 + j's at bit 8j + 3.
         rng = np.random.default_rng(_seed())
         q = quant.quantize_mxfp4(jnp.asarray(rng.standard_normal((3, 256)), jnp.float32))
         codes = np.asarray(quant.unpack_codes(q))
@@ -197,11 +199,65 @@ class MXFP4FormatTest(parameterized.TestCase):
                     for b in range(4):
                         off = 64 * grp + 16 * qq + 4 * b
                         word = int.from_bytes(packed[row, off:off + 4].tobytes(), "little")
-                        nib = [(word >> (4 * i)) & 15 for i in range(8)]
                         base = 128 * grp + 32 * b
                         want = [codes[row, base + 4 * qq + i] for i in range(4)]
                         want += [codes[row, base + 16 + 4 * qq + i] for i in range(4)]
-                        self.assertEqual(nib, want)
+                        self.assertEqual([(word >> (4 * i)) & 7 for i in range(8)],
+                                         [c & 7 for c in want])
+                        signs = [(word >> (8 * j + 7)) & 1 for j in range(4)]
+                        signs += [(word >> (8 * j + 3)) & 1 for j in range(4)]
+                        self.assertEqual(signs, [c >> 3 for c in want])
+
+    def test_kernel_conversion_emulated(self):
+        # The kernel's word -> e4m3 conversion (csrc/common/ptx.cuh e2m1x8_to_e4m3x8, prmt
+        # semantics emulated in numpy) on every packed word gives code * 2**6 as e4m3, in the
+        # order of the mma fragments: the bit layout and the kernel agree.
+        def prmt(a, b, sel):  # d.byte[i] = {b:a}.byte[sel nibble i], nibble bit 3: sign-replicate
+            src = a | (b << 32)
+            out = 0
+            for i in range(4):
+                nib = (sel >> (4 * i)) & 15
+                byte = (src >> (8 * (nib & 7))) & 0xFF
+                if nib & 8:
+                    byte = 0xFF if byte & 0x80 else 0
+                out |= byte << (8 * i)
+            return out
+
+        lut_lo, lut_hi = 0x6C686000, 0x7C787470  # e4m3 of code * 2**6, block offset 0
+        rng = np.random.default_rng(_seed())
+        w = rng.standard_normal((2, 128)).astype(np.float32)
+        w[0, :8] = [0.0, -0.0, 6.0, -6.0, 0.5, -0.5, 1e-3, -1e-3]  # zeros, both signs, extremes
+        q = quant.quantize_mxfp4(jnp.asarray(w))
+        codes = np.asarray(quant.unpack_codes(q))
+        packed = np.asarray(q.packed)
+        for row in range(2):
+            for qq in range(4):
+                for b in range(4):
+                    off = 16 * qq + 4 * b
+                    word = int.from_bytes(packed[row, off:off + 4].tobytes(), "little")
+                    mag = word & 0x77777777
+                    lo = prmt(lut_lo, lut_hi, mag & 0xFFFF) | (word & 0x80808080)
+                    hi = prmt(lut_lo, lut_hi, mag >> 16) | ((word << 4) & 0x80808080)
+                    got = np.frombuffer(np.array([lo, hi], "<u4").tobytes(), ml_dtypes.float8_e4m3fn)
+                    ks = [32 * b + 4 * qq + i for i in range(4)] + [32 * b + 16 + 4 * qq + i for i in range(4)]
+                    want = quant.E2M1_VALUES[codes[row, ks]] * 64
+                    np.testing.assert_array_equal(got.astype(np.float32), want)
+                    # -0 stays -0 (the kernel's sign bit is the code's).
+                    np.testing.assert_array_equal(np.signbit(got.astype(np.float32)), codes[row, ks] >> 3)
+
+    def test_version_1_bytes_convert(self):
+        # Version 1 kept each code's sign in its own nibble (stored codes nibble by nibble).
+        rng = np.random.default_rng(_seed())
+        q = quant.quantize_mxfp4(jnp.asarray(rng.standard_normal((4, 384)), jnp.float32))
+        n, k = q.shape
+        stored = np.asarray(quant.unpack_codes(q)).reshape(n, k // 128, 128)[..., quant.KERNEL_ORDER]
+        stored = stored.reshape(n, k // 2, 2)
+        v1 = (stored[..., 0] | (stored[..., 1] << 4)).astype(np.uint8)
+        self.assertFalse(np.array_equal(v1, np.asarray(q.packed)))  # the versions differ
+        np.testing.assert_array_equal(np.asarray(quant.packed_from_version(v1, 1)), np.asarray(q.packed))
+        self.assertIs(quant.packed_from_version(q.packed, quant.FORMAT_VERSION), q.packed)
+        with self.assertRaisesRegex(ValueError, "format version 3 are not supported"):
+            quant.packed_from_version(v1, 3)
 
     def test_pytree_and_jit(self):
         rng = np.random.default_rng(_seed())

@@ -16,9 +16,9 @@
 //              the K tile (tried in the kernel on 2026-11-30: no faster).
 //   chain256   convert two K tiles, then per n128 half 8 wgmmas (a 256-long chain) into a
 //              fresh partial, wait<0>, add: the kernel's consumer loop now, without TMA,
-//              mbarriers or a producer (the tile count must be even).
-//   chain256s  chain256 with the sign-swizzled weight words (e2m1x8_to_e4m3x8: 7 instructions
-//              a word instead of 11).
+//              mbarriers or a producer (the tile count must be even). With the version-2
+//              (sign-swizzled) weight words: 1,788 TFLOP/s against 1,678 with version 1 in
+//              the same run (2026-12-01, docs/performance.md).
 // Prints one line per variant: TFLOP/s over all SMs and the SM clock block 0 saw (values are
 // not checked: not a test).
 //
@@ -36,11 +36,8 @@
 
 namespace mila::bench {
 
-enum Variant : int {
-  kChained = 0, kPromoted = 1, kConvert = 2, kPipelined = 3, kChain2 = 4, kChain2Sign = 5
-};
-const char* const kNames[] = {"chained", "promoted", "convert", "pipelined", "chain256",
-                              "chain256s"};
+enum Variant : int { kChained = 0, kPromoted = 1, kConvert = 2, kPipelined = 3, kChain2 = 4 };
+const char* const kNames[] = {"chained", "promoted", "convert", "pipelined", "chain256"};
 
 constexpr int kThreads = 256;          // two consumer warpgroups
 constexpr int kHalfBytes = 128 * 128;  // 128 activation rows x 128 K bytes: one n128 half
@@ -101,13 +98,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(int tiles, float* sink
 #pragma unroll
       for (int kb = 0; kb < kKBlocks; ++kb) {
         const uint32_t word = kb == 0 ? v.x : kb == 1 ? v.y : kb == 2 ? v.z : v.w;
-        const uint32_t block_exp = (exps >> (8 * kb)) & 0xFFu;
-        if constexpr (kVariant == kChain2Sign)
-          ptx::w4a8::e2m1x8_to_e4m3x8(word, block_exp * kLutLoStep + lut.lo,
-                                      block_exp * kLutHiStep + lut.hi, frag[kb][h],
-                                      frag[kb][2 + h]);
-        else
-          word_to_e4m3(word, block_exp, lut, frag[kb][h], frag[kb][2 + h]);
+        word_to_e4m3(word, (exps >> (8 * kb)) & 0xFFu, lut, frag[kb][h], frag[kb][2 + h]);
       }
     }
   };
@@ -119,7 +110,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(int tiles, float* sink
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns0));
 
   for (int t = 0; t < tiles; ++t) {
-    if constexpr (kVariant == kChain2 || kVariant == kChain2Sign) {
+    if constexpr (kVariant == kChain2) {
       // Two K tiles per iteration (t advances twice), each converted into its own fragments.
       uint32_t a2[2][kKBlocks][4];
       convert(a2[0]);
@@ -277,15 +268,14 @@ int main(int argc, char** argv) {
                          time_loop<kPromoted>(sms, tiles, sink, clocks, start, stop),
                          time_loop<kConvert>(sms, tiles, sink, clocks, start, stop),
                          time_loop<kPipelined>(sms, tiles, sink, clocks, start, stop),
-                         time_loop<kChain2>(sms, tiles, sink, clocks, start, stop),
-                         time_loop<kChain2Sign>(sms, tiles, sink, clocks, start, stop)};
+                         time_loop<kChain2>(sms, tiles, sink, clocks, start, stop)};
   const cudaError_t err = cudaDeviceSynchronize();
   if (err != cudaSuccess) {
     std::printf("CUDA error: %s\n", cudaGetErrorString(err));
     return 1;
   }
   std::printf("| variant | ms | TFLOP/s | SM clock MHz |\n|---|---|---|---|\n");
-  for (int v = 0; v < 6; ++v)
+  for (int v = 0; v < 5; ++v)
     std::printf("| %s | %.3f | %.0f | %.0f |\n", kNames[v], runs[v].ms,
                 kFlopPerTile * sms * tiles / (runs[v].ms * 1e-3) / 1e12, runs[v].mhz);
   cudaFree(sink);

@@ -153,24 +153,14 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   return d;
 }
 
-// Four e2m1 codes (nibbles of sel[15:0], code i -> byte i) -> four e4m3 bytes.
-// lut_lo/lut_hi: the e4m3 byte of magnitude code 0..3 / 4..7 (byte 0 of lut_lo must be 0).
-// Magnitude: one prmt on the 3-bit codes. Sign: a prmt whose table is all 0x80 returns 0x80 for
-// a positive code and, because bit 3 switches prmt to sign-replicate mode, 0xFF for a negative
-// one; bit 0 of that byte, moved to bit 7, is the e4m3 sign.
-__device__ __forceinline__ uint32_t e2m1x4_to_e4m3x4(uint32_t sel, uint32_t lut_lo,
-                                                     uint32_t lut_hi) {
-  const uint32_t mag = prmt(lut_lo, lut_hi, sel & 0x7777u);
-  const uint32_t neg = prmt(0x80808080u, 0x80808080u, sel);
-  return mag | ((neg << 7) & 0x80808080u);
-}
-
 // Eight e2m1 codes of one word in the sign-swizzled layout (jax_mila.quant.mxfp4, format
-// version 2): nibble i holds the magnitude bits of code i in its bits 0-2, codes 0-3 giving
-// `lo` bytes 0-3 and codes 4-7 `hi` bytes 0-3; bit 3 of the nibbles holds the signs, lo byte j's
-// at bit 8j + 7 (where e4m3 wants it) and hi byte j's at bit 8j + 3 (4 below). Seven
-// instructions for eight values, against eleven for e2m1x4_to_e4m3x4 on both halves of a
-// word that keeps each code's sign in its own nibble. lut_lo / lut_hi as there.
+// version 2) -> two registers of four e4m3 bytes. Nibble i holds the magnitude bits of code i
+// in its bits 0-2, codes 0-3 giving `lo` bytes 0-3 and codes 4-7 `hi` bytes 0-3; bit 3 of the
+// nibbles holds the signs, lo byte j's at bit 8j + 7 (where e4m3 wants it) and hi byte j's at
+// bit 8j + 3 (4 below). Magnitude: one prmt per register on the 3-bit codes (bit 3 cleared:
+// it would switch prmt to sign-replicate mode). Seven instructions for eight values; the
+// version-1 layout (each code's sign in its own nibble) took eleven.
+// lut_lo / lut_hi: the e4m3 byte of magnitude code 0..3 / 4..7 (byte 0 of lut_lo must be 0).
 __device__ __forceinline__ void e2m1x8_to_e4m3x8(uint32_t word, uint32_t lut_lo, uint32_t lut_hi,
                                                  uint32_t& lo, uint32_t& hi) {
   const uint32_t mag = word & 0x77777777u;

@@ -35,13 +35,12 @@ __device__ __forceinline__ RowLut row_lut(uint32_t channel_exp) {
   return {kLutLo - channel_exp * kLutLoStep, kLutHi - channel_exp * kLutHiStep};
 }
 
-// 8 codes of one word -> the two e4m3 registers (k 4q..4q+3 and k 16+4q..16+4q+3).
+// 8 codes of one word (sign-swizzled, jax_mila.quant.mxfp4 format version 2) -> the two e4m3
+// registers (k 4q..4q+3 and k 16+4q..16+4q+3).
 __device__ __forceinline__ void word_to_e4m3(uint32_t word, uint32_t block_exp, RowLut c,
                                              uint32_t& lo, uint32_t& hi) {
-  const uint32_t lut_lo = block_exp * kLutLoStep + c.lo;
-  const uint32_t lut_hi = block_exp * kLutHiStep + c.hi;
-  lo = ptx::w4a8::e2m1x4_to_e4m3x4(word, lut_lo, lut_hi);
-  hi = ptx::w4a8::e2m1x4_to_e4m3x4(word >> 16, lut_lo, lut_hi);
+  ptx::w4a8::e2m1x8_to_e4m3x8(word, block_exp * kLutLoStep + c.lo, block_exp * kLutHiStep + c.hi,
+                              lo, hi);
 }
 
 __device__ __forceinline__ float channel_scale(const uint8_t* channel_exp, int n, int N) {

@@ -12,7 +12,7 @@
   ``quantize="w4a8"`` gives bit-identical weights to quantizing on load. Names: mxfp4_names.py.
 - Writes ``dst/model.safetensors``, or shards of about ``shard_bytes`` (default 4 GiB) plus
   ``model.safetensors.index.json``; at most one shard's tensors are held in memory.
-- Copies config.json (adding ``"jax_mila_quantization": {"format": "mxfp4", "version": 1}``)
+- Copies config.json (adding ``"jax_mila_quantization": {"format": "mxfp4", "version": 2}``)
   and the tokenizer / generation files that exist.
 """
 

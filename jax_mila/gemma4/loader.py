@@ -29,7 +29,7 @@ from jax_mila import nn
 from jax_mila.gemma4 import mxfp4_names
 from jax_mila.gemma4.config import Gemma4Config
 from jax_mila.gemma4.model import Gemma4ForCausalLM
-from jax_mila.quant.mxfp4 import MXFP4Weight, quantize_mxfp4
+from jax_mila.quant.mxfp4 import FORMAT_VERSION, MXFP4Weight, packed_from_version, quantize_mxfp4
 
 log = logging.getLogger("jax_mila")
 
@@ -125,14 +125,17 @@ class _Reader:
         return tensor
 
 
-def read_mxfp4(reader: _Reader, weight_name: str, out_features: int, in_features: int):
+def read_mxfp4(reader: _Reader, weight_name: str, out_features: int, in_features: int,
+               version: int = FORMAT_VERSION):
     """The MXFP4 weight of ``weight_name`` [out, in]: read as stored when the checkpoint holds
-    its three MXFP4 tensors (written by convert), else quantized from the dense tensor.
+    its three MXFP4 tensors (written by convert; ``version``: the checkpoint's format version,
+    older packed bytes are converted), else quantized from the dense tensor.
     Returns (MXFP4Weight, names of the tensors read)."""
     names = mxfp4_names.tensor_names(weight_name)
     if any(n in reader for n in names.values()):
         shapes = mxfp4_names.expected_shapes(out_features, in_features)
         fields = {f: reader.read(names[f], shapes[f], jnp.uint8) for f in mxfp4_names.FIELDS}
+        fields["packed"] = packed_from_version(fields["packed"], version)
         # Cheap consistency check (the kernel scales every block against channel_exp): catches
         # tensors mixed up between layers or written by something else than quantize_mxfp4.
         if not bool(jnp.all(fields["channel_exp"] == jnp.max(fields["scales"], axis=1))):
@@ -155,12 +158,19 @@ def load_weights(model: Gemma4ForCausalLM, path: str | os.PathLike) -> Gemma4For
     path = os.fspath(path)
     files = _tensor_files(path)
     prefix = find_prefix(path, files)
+    try:
+        stored = mxfp4_names.checkpoint_format(path)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    except FileNotFoundError:  # no config.json: MXFP4 tensors, if any, are of this version
+        stored = None
+    version = FORMAT_VERSION if stored is None else stored["version"]
     used = set()
     with contextlib.ExitStack() as stack:
         reader = _Reader(path, files, stack)
         for module_path, linear in quantized_linears(model):
             name = linear_weight_name(module_path, prefix)
-            w, names = read_mxfp4(reader, name, linear.out_features, linear.in_features)
+            w, names = read_mxfp4(reader, name, linear.out_features, linear.in_features, version)
             linear.set_mxfp4(w)
             used.update(names)
             del w

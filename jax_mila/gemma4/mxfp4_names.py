@@ -11,9 +11,12 @@ i.e. the fields of jax_mila.quant.MXFP4Weight with N = out, K = in (the layout i
 in jax_mila/quant/mxfp4.py; [out, in] is already MXFP4's [N, K], so nothing is transposed).
 Every other tensor keeps its name, shape and dtype. config.json gains a top-level
 
-    "jax_mila_quantization": {"format": "mxfp4", "version": 1}
+    "jax_mila_quantization": {"format": "mxfp4", "version": 2}
 
-so a loader can tell before reading any tensor that the checkpoint is quantized.
+so a loader can tell before reading any tensor that the checkpoint is quantized. The version
+is that of the packed bytes (jax_mila.quant.mxfp4.FORMAT_VERSION); version 1 checkpoints
+(each code's sign in its own nibble, written before 2026-12-01) are still read, their packed
+bytes converted while loading (jax_mila.quant.packed_from_version).
 """
 
 from __future__ import annotations
@@ -21,10 +24,13 @@ from __future__ import annotations
 import json
 import os
 
+from jax_mila.quant.mxfp4 import FORMAT_VERSION
+
 FIELDS = ("packed", "scales", "channel_exp")  # MXFP4Weight's fields
 SUFFIX = ".weight"
 CONFIG_KEY = "jax_mila_quantization"
-FORMAT = {"format": "mxfp4", "version": 1}
+FORMAT = {"format": "mxfp4", "version": FORMAT_VERSION}
+READ_VERSIONS = (1, FORMAT_VERSION)  # versions checkpoint_format accepts
 
 
 def tensor_names(weight_name: str) -> dict[str, str]:
@@ -48,7 +54,8 @@ def checkpoint_format(path: str | os.PathLike) -> dict | None:
         path = os.path.join(path, "config.json")
     with open(path) as f:
         entry = json.load(f).get(CONFIG_KEY)
-    if entry is not None and entry != FORMAT:
+    if entry is not None and (not isinstance(entry, dict) or entry.get("format") != "mxfp4" or
+                              entry.get("version") not in READ_VERSIONS or len(entry) != 2):
         raise ValueError(f"{path}: {CONFIG_KEY}={entry!r} is not a format this version reads "
-                         f"(supported: {FORMAT})")
+                         f"(supported: format 'mxfp4', version in {list(READ_VERSIONS)})")
     return entry

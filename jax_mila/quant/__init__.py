@@ -4,12 +4,15 @@ is the W4A8 weight; its layout is documented in jax_mila/quant/mxfp4.py."""
 from jax_mila.quant.mxfp4 import (
     BLOCK,
     E2M1_VALUES,
+    FORMAT_VERSION,
     GROUP,
     KERNEL_ORDER,
     MAX_BLOCK_EXP_DROP,
+    SIGN_SOURCE,
     MXFP4Weight,
     check_kernel_invariant,
     dequantize_mxfp4,
+    packed_from_version,
     quantize_mxfp4,
     unpack_codes,
 )
@@ -17,12 +20,15 @@ from jax_mila.quant.mxfp4 import (
 __all__ = [
     "BLOCK",
     "E2M1_VALUES",
+    "FORMAT_VERSION",
     "GROUP",
     "KERNEL_ORDER",
     "MAX_BLOCK_EXP_DROP",
     "MXFP4Weight",
+    "SIGN_SOURCE",
     "check_kernel_invariant",
     "dequantize_mxfp4",
+    "packed_from_version",
     "quantize_mxfp4",
     "unpack_codes",
 ]

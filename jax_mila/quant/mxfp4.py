@@ -23,6 +23,15 @@ is stored as an :class:`MXFP4Weight` with three uint8 arrays:
     a lane its words for all 4 blocks of a 128-wide K tile. ``KERNEL_ORDER`` is the permutation
     (storage position -> k within the group); :func:`unpack_codes` undoes it.
 
+    Sign-swizzled words (format version 2): nibble i of a word (i = 2 r + h: byte r, high
+    nibble if h) holds in its bits 0-2 the magnitude bits of the word's code i (the code of the
+    k above), but in its bit 3 the sign of code ``SIGN_SOURCE[i]``: nibble 2j + 1 carries code
+    j's sign, nibble 2j code 4 + j's. Why: the kernel turns codes 0-3 into the four e4m3 bytes of
+    one register and codes 4-7 into another, and there every sign already sits at bit 8j + 7
+    (codes 0-3) or 4 bits below it (codes 4-7), where e4m3 keeps its sign bit: 7 instructions
+    convert a word instead of 11 (csrc/common/ptx.cuh, e2m1x8_to_e4m3x8). Version 1 kept each
+    code's sign in its own nibble; :func:`packed_from_version` converts such bytes.
+
 Value: w[n, k] = e2m1(code[n, k]) * 2**(scales[n, k // 32] - 127).
 
 Quantization (:func:`quantize_mxfp4`) follows the OCP MX v1.0 rule: block scale exponent
@@ -69,6 +78,10 @@ KERNEL_ORDER = np.array([32 * b + 4 * q + 16 * (r // 2) + 2 * (r % 2) + h
                          for q in range(4) for b in range(4) for r in range(4) for h in range(2)],
                         dtype=np.int32)
 _INVERSE_ORDER = np.argsort(KERNEL_ORDER).astype(np.int32)
+# Format version 2: bit 3 of nibble i of a word holds the sign of the word's code SIGN_SOURCE[i].
+SIGN_SOURCE = np.array([4, 0, 5, 1, 6, 2, 7, 3], dtype=np.int32)
+_SIGN_HOLDER = np.argsort(SIGN_SOURCE).astype(np.int32)  # code c's sign is in nibble _SIGN_HOLDER[c]
+FORMAT_VERSION = 2  # of the packed bytes; checkpoints record it (jax_mila/gemma4/mxfp4_names.py)
 
 # e2m1 code (0..15) -> value.
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -149,8 +162,7 @@ def _quantize_core(w):
     exp, ref = _block_exponents(w32)
     v = jnp.ldexp(w32.reshape(n, k // BLOCK, BLOCK), -exp[..., None])
     codes = _round_to_e2m1_codes(v).reshape(n, k // GROUP, GROUP)  # natural k order
-    stored = codes[..., KERNEL_ORDER].reshape(n, k // 2, 2)
-    packed = stored[..., 0] | (stored[..., 1] << 4)
+    packed = _pack_words(codes[..., KERNEL_ORDER].reshape(n, k // 8, 8))
     scales = (exp + E8M0_BIAS).astype(jnp.uint8)
     channel_exp = (ref + E8M0_BIAS).astype(jnp.uint8)
     nonfinite = jnp.logical_not(jnp.all(jnp.isfinite(w32)))
@@ -183,12 +195,37 @@ def quantize_mxfp4(w, *, name: str = "weight", check_finite: bool = True) -> MXF
     return q
 
 
+def _pack_words(codes):
+    """e2m1 codes uint8 [..., words, 8] (code i of each word in storage order) -> the packed
+    bytes [..., words * 4] of format version 2 (signs swizzled within each word)."""
+    nibbles = (codes & 7) | ((codes[..., SIGN_SOURCE] >> 3) << 3)
+    pairs = nibbles.reshape(*nibbles.shape[:-1], 4, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).reshape(*codes.shape[:-2], -1)
+
+
+def _unpack_words(packed):
+    """The inverse of _pack_words: packed bytes [..., words * 4] -> codes [..., words, 8]."""
+    nibbles = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1, 8)
+    return (nibbles & 7) | ((nibbles[..., _SIGN_HOLDER] >> 3) << 3)
+
+
+def packed_from_version(packed, version: int):
+    """Packed bytes [N, K/2] written in format ``version`` (1 or 2) -> format FORMAT_VERSION.
+    Version 1 kept each code's sign in its own nibble (checkpoints written before 2026-12-01)."""
+    if version == FORMAT_VERSION:
+        return packed
+    if version != 1:
+        raise ValueError(f"MXFP4 packed bytes of format version {version!r} are not supported "
+                         f"(supported: 1, {FORMAT_VERSION})")
+    packed = jnp.asarray(packed)
+    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1, 8)
+    return _pack_words(codes)
+
+
 def unpack_codes(w: MXFP4Weight):
     """e2m1 codes uint8 [N, K] in natural k order."""
     n, k = w.shape
-    lo = w.packed & 0xF
-    hi = w.packed >> 4
-    stored = jnp.stack([lo, hi], axis=-1).reshape(n, k // GROUP, GROUP)
+    stored = _unpack_words(w.packed).reshape(n, k // GROUP, GROUP)
     return stored[..., _INVERSE_ORDER].reshape(n, k)
 
 
