@@ -233,6 +233,9 @@ class TraceTest(absltest.TestCase):
         # The kernel before a gap is the one that ended last (b, not the longer-started a).
         self.assertEqual(gpu["top_gaps"][0][1:], ["d", "e"])
         self.assertEqual(gpu["top_gaps"][2][1:], ["b", "c"])
+        # Gaps of 20 us or more, by the kernel they end at (the 3 us one is left out).
+        self.assertEqual([g[:2] for g in gpu["idle_before"]], [["e", 1], ["d", 1]])
+        self.assertAlmostEqual(gpu["idle_before"][0][2], 2.0)
 
     def test_no_device_events(self):
         with tempfile.TemporaryDirectory() as d:

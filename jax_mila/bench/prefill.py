@@ -534,6 +534,8 @@ def report(rows: list[dict], backends: list[str], seqs: list[int]) -> str:
                             [f"{n} / {ms:.1f}" for n, ms in t["gaps"].values()])
                 longest += [f"{b} {s} GPU{gpu}: {ms:.2f} ms after {before[:60]} before {after[:60]}"
                             for ms, before, after in t["top_gaps"][:3]]
+                longest += [f"{b} {s} GPU{gpu}: {count} gaps >= 20 us, {ms:.1f} ms in all, "
+                            f"before {name[:60]}" for name, count, ms in t.get("idle_before", [])[:5]]
     if idle:
         text += ["", "Device timeline of the profiled prefill, ms (idle = span - busy: launch "
                  "latency and host waits; gaps: count / ms)",

@@ -103,7 +103,9 @@ def timeline(trace: dict) -> dict:
     """Per device: how busy its streams were between the first kernel's start and the last
     one's end. {device: {"span_ms", "busy_ms" (union of kernel intervals: overlapping streams
     count once), "idle_ms" (span - busy), "gaps" ({class: [count, ms]} over GAP_CLASSES),
-    "top_gaps" ([ms, kernel before, kernel after] of the longest TOP_GAPS)}}. The idle time is
+    "top_gaps" ([ms, kernel before, kernel after] of the longest TOP_GAPS), "idle_before"
+    ([kernel, count, ms] of the kernels that gaps of 20 us or more end at, most idle time
+    first: what the device most often waits to start)}}. The idle time is
     what the kernel sums of split_by_op leave out of a wall-clock measurement: launch latency,
     host work the device waited for, synchronizations."""
     per_device = {}
@@ -113,7 +115,7 @@ def timeline(trace: dict) -> dict:
     for device, spans in sorted(per_device.items()):
         spans.sort()
         gaps = {label: [0, 0.0] for label, _ in GAP_CLASSES}
-        top = []
+        top, before = [], {}
         busy, end, last = 0.0, spans[0][0], spans[0][2]
         for start, stop, name in spans:
             if start > end:  # idle from the latest end so far to this start
@@ -122,13 +124,18 @@ def timeline(trace: dict) -> dict:
                 gaps[label][0] += 1
                 gaps[label][1] += idle / 1e3
                 top.append((idle / 1e3, last, name))
+                if idle >= 20.0:
+                    count, ms = before.get(name, (0, 0.0))
+                    before[name] = (count + 1, ms + idle / 1e3)
             busy += max(0.0, stop - max(start, end))
             if stop > end:
                 end, last = stop, name
         top.sort(key=lambda g: -g[0])
         out[device] = {"span_ms": (end - spans[0][0]) / 1e3, "busy_ms": busy / 1e3,
                        "idle_ms": (end - spans[0][0] - busy) / 1e3, "gaps": gaps,
-                       "top_gaps": [list(g) for g in top[:TOP_GAPS]]}
+                       "top_gaps": [list(g) for g in top[:TOP_GAPS]],
+                       "idle_before": [[n, c, ms] for n, (c, ms) in
+                                       sorted(before.items(), key=lambda x: -x[1][1])[:TOP_GAPS]]}
     return out
 
 
