@@ -1,18 +1,29 @@
 """Host time of one chunked prefill, phase by phase: what the device waits for before its
-first kernel (splitting the model into graph and state, the jitted step's argument handling)
-and how long each chunk's dispatch takes against the device's time per chunk.
+first kernel (taking the model apart for the jitted step, the step's argument handling) and
+how long each chunk's dispatch takes against the device's time per chunk.
 
-    python3 scripts/host_overhead.py [--model 12b] [--seq 32768] [--chunk 4096] [--reps 3]
+    python3 scripts/host_overhead.py [--model 12b] [--seq 32768] [--chunk 4096] [--reps 3] [--small]
+
+Two ways of passing the model to the chunk step, side by side:
+- graph: nnx.split(model) -> (GraphDef, State), the GraphDef a static argument that jit hashes
+  and compares at every call;
+- tree: generate.chunk_step_args(model), what prefill passes: the model's pytree treedef
+  (static, cheap to hash) and its array leaves, one flatten per prefill call.
+"prepare" is the per-call cost of taking the model apart; the dispatch columns are each chunk's
+step call, until it returns (the device runs asynchronously).
 
 The prefill benchmark's device timeline (jax_mila.bench.trace.timeline) shows the first
 chunk's dispatch as one idle gap; this script names its parts. Diagnostic, not a benchmark:
-every number is a best-of-reps host wall time.
+every number is a best-of-reps host wall time. ``--small`` keeps the card's layers but shrinks
+the widths (hidden 256, MLP 512, vocab 1024), so it runs on a CPU: host costs scale with the
+number of modules and arrays, not their sizes.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import time
 
 import jax
@@ -22,8 +33,12 @@ from flax import nnx
 
 from jax_mila.gemma4 import cache as kv
 from jax_mila.gemma4 import random_init
+from jax_mila.gemma4.config import Gemma4Config
+from jax_mila.gemma4.paths import model_card
 
 generate = importlib.import_module("jax_mila.gemma4.generate")
+
+SMALL_WIDTHS = dict(hidden_size=256, intermediate_size=512, vocab_size=1024)
 
 
 def _best_ms(fn, reps: int):
@@ -35,15 +50,42 @@ def _best_ms(fn, reps: int):
     return 1e3 * best, out
 
 
+def _config(name: str, small: bool):
+    if not small:
+        return name
+    with open(model_card(name)) as f:
+        raw = json.load(f)
+    raw.get("text_config", raw).update(SMALL_WIDTHS)
+    return Gemma4Config.from_dict(raw)
+
+
+def _chunks(model, step, prepare, ids, chunk: int):
+    """One prefill's chunks: (prepare ms, dispatch ms per chunk, total ms until the logits)."""
+    cache = kv.empty(model.config, ids.shape[0], ids.shape[1], model.dtype)
+    jax.block_until_ready(cache)
+    t0 = time.perf_counter()
+    structure, weights = prepare()
+    prepared = time.perf_counter()
+    dispatch = []
+    for c in range(ids.shape[1] // chunk):
+        t = time.perf_counter()
+        logits, cache = step(structure, weights, cache, ids[:, c * chunk:(c + 1) * chunk],
+                             jnp.int32(chunk))
+        dispatch.append(1e3 * (time.perf_counter() - t))
+    jax.block_until_ready(logits)
+    return 1e3 * (prepared - t0), dispatch, 1e3 * (time.perf_counter() - t0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="12b")
     p.add_argument("--seq", type=int, default=32768)
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--small", action="store_true", help="the card's layers, CPU-sized widths")
     args = p.parse_args()
 
-    model = random_init.random_model(args.model, quantize="w4a8")
+    model = random_init.random_model(_config(args.model, args.small), quantize="w4a8")
     ids = jnp.asarray(np.random.default_rng(0).integers(3, model.config.vocab_size,
                                                         (1, args.seq), dtype=np.int32))
     jax.block_until_ready(generate.prefill(model, ids, chunk_size=args.chunk))  # compile
@@ -53,27 +95,28 @@ def main() -> None:
     other, _ = nnx.split(model)
     eq_ms, _ = _best_ms(lambda: graphdef == other, args.reps)
     flatten_ms, _ = _best_ms(lambda: jax.tree.flatten(state), args.reps)
+    args_ms, (treedef, leaves) = _best_ms(lambda: generate.chunk_step_args(model), args.reps)
+    tree_mode = isinstance(treedef, jax.tree_util.PyTreeDef)
+    tree_hash_ms, _ = _best_ms(lambda: hash(treedef), args.reps)
+    other, _ = generate.chunk_step_args(model)
+    tree_eq_ms, _ = _best_ms(lambda: treedef == other, args.reps)
     print(f"| nnx.split | {split_ms:.1f} ms | leaves {len(jax.tree.leaves(state))} |")
     print(f"| hash(graphdef) | {hash_ms:.1f} ms | |")
     print(f"| graphdef == graphdef (a jit cache hit) | {eq_ms:.1f} ms | |")
     print(f"| flatten state | {flatten_ms:.1f} ms | |")
+    print(f"| chunk_step_args ({'tree' if tree_mode else 'graph: no tree mode here'}) "
+          f"| {args_ms:.1f} ms | leaves {len(jax.tree.leaves(leaves))} |")
+    print(f"| hash(treedef) | {tree_hash_ms:.2f} ms | |")
+    print(f"| treedef == treedef | {tree_eq_ms:.2f} ms | |")
 
     step = generate.chunk_step_fn(model)
-    chunks = args.seq // args.chunk
+    paths = {"graph": lambda: nnx.split(model), "tree": lambda: generate.chunk_step_args(model)}
+    _chunks(model, step, paths["graph"], ids, args.chunk)  # compiles the graph path's step
     for rep in range(args.reps):
-        cache = kv.empty(model.config, 1, args.seq, model.dtype)
-        jax.block_until_ready(cache)
-        dispatch = []
-        t0 = time.perf_counter()
-        for c in range(chunks):
-            t = time.perf_counter()
-            logits, cache = step(graphdef, state, cache, ids[:, c * args.chunk:(c + 1) * args.chunk],
-                                 jnp.int32(args.chunk))
-            dispatch.append(1e3 * (time.perf_counter() - t))
-        jax.block_until_ready(logits)
-        total = 1e3 * (time.perf_counter() - t0)
-        print(f"| rep {rep}: step dispatch per chunk | "
-              + " ".join(f"{d:.1f}" for d in dispatch) + f" ms | total {total:.1f} ms |")
+        for name, prepare in paths.items():
+            prep, dispatch, total = _chunks(model, step, prepare, ids, args.chunk)
+            print(f"| rep {rep} {name}: prepare {prep:.1f} ms, step dispatch per chunk | "
+                  + " ".join(f"{d:.1f}" for d in dispatch) + f" ms | total {total:.1f} ms |")
 
 
 if __name__ == "__main__":

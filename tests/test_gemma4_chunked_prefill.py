@@ -7,7 +7,9 @@ E2B-like one (window 4, KV sharing of both layer types, one KV head, double-wide
 MoE one (window 5). Chunk sizes straddle the window and the prompt
 (1, 3, W-1, W, W+1, S, > S), prompt lengths too (1, W-1, W, 2W+3, 5W). Also: greedy decoding
 continued from a chunked cache, one compile for every chunk and prompt length, the progress
-bar, the default chunk size, and a cache capacity below the window.
+bar, the default chunk size, and a cache capacity below the window. The chunk step takes the
+model as a pytree (its treedef and arrays) where flax allows, else through nnx.split: both
+give the same bits, the step always reads the model's current weights, and the fallback works.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
+from flax import nnx
 
 from jax_mila import gemma4
 from jax_mila.__main__ import main
 from jax_mila.gemma4 import cache as kv
-from test_gemma4_generate import S, F, tiny_model
+from jax_mila.gemma4.mlp import Gemma4MLP
+from jax_mila.nn.linear import MXFP4Param
+from test_gemma4_generate import S, F, TINY, tiny_model
 
 gen = importlib.import_module("jax_mila.gemma4.generate")  # the module (gemma4.generate is the function)
 
@@ -249,6 +254,159 @@ class ChunkedPrefillTest(parameterized.TestCase):
     def test_bad_kv_cache_dtype(self):
         with self.assertRaisesRegex(ValueError, "'int8' is not supported .*float8_e4m3fn"):
             gemma4.prefill(tiny_model(), jnp.ones((1, 4), jnp.int32), kv_cache_dtype="int8")
+
+
+def w4a8_model(seed=0):
+    """The generate suite's tiny model, wide enough (128) for MXFP4 linears, in bf16."""
+    cfg = gemma4.Gemma4Config.from_dict({**TINY, "hidden_size": 128, "intermediate_size": 128,
+                                         "head_dim": 32, "global_head_dim": 32})
+    return gemma4.Gemma4ForCausalLM(cfg, dtype=jnp.bfloat16, backend="reference",
+                                    quantize="w4a8", rngs=nnx.Rngs(seed))
+
+
+@contextlib.contextmanager
+def without_tree_mode(model, error=None):
+    """As if flax did not register nnx Modules as pytrees (``model`` flattens to itself), or,
+    with ``error``, as if flattening it raised that."""
+    flatten = jax.tree.flatten
+
+    def fake(tree, *args, **kwargs):
+        if tree is not model:
+            return flatten(tree, *args, **kwargs)
+        if error is not None:
+            raise error
+        return flatten(tree, is_leaf=lambda x: x is model)
+
+    with mock.patch.object(jax.tree, "flatten", fake):
+        yield
+
+
+def assert_same_bits(test, a, b):
+    """Two prefills' (logits, cache), bit for bit."""
+    (la, ca), (lb, cb) = a, b
+    np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
+    test.assertEqual(int(ca.length), int(cb.length))
+    for i, (x, y) in enumerate(zip(ca.keys + ca.values, cb.keys + cb.values)):
+        test.assertEqual(x is None, y is None)
+        if x is not None:
+            test.assertEqual((x.shape, x.dtype), (y.shape, y.dtype))
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"buffer {i}")
+
+
+class TreeModeStepTest(parameterized.TestCase):
+    """The chunk step on the model as a pytree (chunk_step_args) against nnx.split."""
+
+    def prefill(self, model, ids, **kw):
+        return gen.prefill(model, ids, chunk_size=4, max_cache_len=16, **kw)
+
+    def prefill_compiled(self, model, ids):
+        """A tree-mode prefill that finds its step compiled already."""
+        step = gen.chunk_step_fn(model)
+        before = step._cache_size()
+        out = self.prefill(model, ids)
+        self.assertEqual(step._cache_size(), before, "the step recompiled")
+        return out
+
+    def graph_prefill(self, model, ids, **kw):
+        with without_tree_mode(model), mock.patch.object(nnx, "split", wraps=nnx.split) as split:
+            out = self.prefill(model, ids, **kw)
+        split.assert_called_once()
+        return out
+
+    @parameterized.named_parameters(
+        ("bf16", lambda: tiny_model(dtype=jnp.bfloat16), None),
+        ("bf16_fp8_cache", lambda: tiny_model(dtype=jnp.bfloat16), "float8_e4m3fn"),
+        ("w4a8", w4a8_model, None),
+    )
+    def test_same_bits_as_graph_mode(self, build, kv_cache_dtype):
+        model = build()
+        if build is w4a8_model:
+            self.assertNotEmpty(jax.tree.leaves(nnx.state(model, MXFP4Param)))
+        structure, leaves = gen.chunk_step_args(model)
+        self.assertIsInstance(structure, jax.tree_util.PyTreeDef)
+        # Exactly the state's arrays: no attribute that is not a Variable became a leaf.
+        state = jax.tree.leaves(nnx.state(model))
+        self.assertCountEqual([id(x) for x in leaves], [id(x) for x in state])
+        ids = prompt(0, 11)  # 3 chunks of 4, the last padded (3 real tokens)
+        with mock.patch.object(nnx, "split", wraps=nnx.split) as split:
+            tree = self.prefill(model, ids, kv_cache_dtype=kv_cache_dtype)
+        split.assert_not_called()
+        assert_same_bits(self, tree, self.graph_prefill(model, ids, kv_cache_dtype=kv_cache_dtype))
+
+    def test_variable_reachable_twice(self):
+        model = tiny_model()
+        shared = model.layers[0].input_layernorm.weight
+        shared.set_value(jnp.linspace(0.5, 1.5, shared.shape[0]))
+        model.layers[1].input_layernorm.weight = shared
+        _, leaves = gen.chunk_step_args(model)
+        self.assertLen(leaves, len(jax.tree.leaves(nnx.state(model))) + 1)  # the array twice
+        ids = prompt(0, 11)
+        tree = self.prefill(model, ids)
+        assert_same_bits(self, tree, self.graph_prefill(model, ids))
+        shared.set_value(shared[...] * 2)  # both layers read the new value
+        again = self.prefill_compiled(model, ids)
+        self.assertFalse(np.array_equal(np.asarray(again[0]), np.asarray(tree[0])))
+        assert_same_bits(self, again, self.graph_prefill(model, ids))
+
+    @parameterized.named_parameters(("float32", tiny_model), ("w4a8", w4a8_model))
+    def test_reads_the_current_weights(self, build):
+        model = build()
+        ids = prompt(0, 11)
+        first = self.prefill(model, ids)
+        mlp = model.layers[0].mlp
+        if mlp.down_proj.quantize == "w4a8":
+            old = mlp.down_proj.mxfp4
+            # A Variable replaced by a new one, then the old codes set back in place.
+            mlp.down_proj.packed = MXFP4Param(old.packed ^ jnp.uint8(0x11))
+            restore = lambda: mlp.down_proj.set_mxfp4(old)  # noqa: E731
+        else:
+            old = mlp.down_proj.kernel[...]
+            mlp.down_proj.kernel = nnx.Param(-old)
+            restore = lambda: mlp.down_proj.kernel.set_value(old)  # noqa: E731
+        # Weights are arguments, never constants: none of this recompiles the tree-mode step.
+        replaced = self.prefill_compiled(model, ids)
+        self.assertFalse(np.array_equal(np.asarray(replaced[0]), np.asarray(first[0])))
+        assert_same_bits(self, replaced, self.graph_prefill(model, ids))
+        restore()
+        assert_same_bits(self, self.prefill_compiled(model, ids), first)
+        # A new submodule of the same structure: new arrays, the same treedef.
+        up = model.layers[1].mlp.up_proj
+        model.layers[1].mlp = Gemma4MLP(up.in_features, up.out_features, backend=model.backend,
+                                        dtype=model.dtype, param_dtype=model.dtype,
+                                        quantize=up.quantize, rngs=nnx.Rngs(7))
+        other = self.prefill_compiled(model, ids)
+        self.assertFalse(np.array_equal(np.asarray(other[0]), np.asarray(first[0])))
+        assert_same_bits(self, other, self.graph_prefill(model, ids))
+
+    def test_non_array_attributes_stay_static(self):
+        model = tiny_model()
+        ids = prompt(0, 11)
+        first = self.prefill(model, ids)
+        model.norm.eps = 0.5  # a float attribute: part of the treedef, so a new compile
+        step = gen.chunk_step_fn(model)
+        before = step._cache_size()
+        changed = self.prefill(model, ids)
+        self.assertEqual(step._cache_size(), before + 1)
+        self.assertFalse(np.array_equal(np.asarray(changed[0]), np.asarray(first[0])))
+
+    def test_fallback_to_graph_mode(self):
+        model = tiny_model(seed=2)
+        ids = prompt(0, 11)
+        want = self.prefill(model, ids)
+        for error in (None, TypeError("no pytree")):
+            with self.subTest(error=error), without_tree_mode(model, error):
+                structure, _ = gen.chunk_step_args(model)
+                self.assertIsInstance(structure, nnx.GraphDef)
+                assert_same_bits(self, self.prefill(model, ids), want)
+
+        class Opaque(nnx.Module, pytree=False):  # flattens as a leaf that is no array
+            def __init__(self):
+                self.w = nnx.Param(jnp.ones(3))
+
+        model.extra = Opaque()
+        structure, _ = gen.chunk_step_args(model)
+        self.assertIsInstance(structure, nnx.GraphDef)
+        assert_same_bits(self, self.prefill(model, ids), want)
 
 
 class RingUpdateTest(absltest.TestCase):

@@ -209,7 +209,6 @@ def _chunk_step_temp_bytes(generate, model, chunk: int, length: int, kv_cache_dt
 
     from jax_mila.gemma4 import cache as kv  # noqa: PLC0415
 
-    graphdef, state = nnx.split(model)
     ids = jax.ShapeDtypeStruct((1, chunk), jnp.int32)
     valid = jax.ShapeDtypeStruct((), jnp.int32)
     if mesh is not None:
@@ -220,16 +219,18 @@ def _chunk_step_temp_bytes(generate, model, chunk: int, length: int, kv_cache_dt
         # A real cache, made in its shards as prefill makes it; the caller measured the peak.
         make = functools.partial(kv.empty, model.config, 1, chunked.capacity(length, devices, segments),
                                  model.dtype, full_dtype=kv_cache_dtype, seq_layout=(devices, segments))
-        step, state, cache = chunked.sharded_chunk_step(model, state, make, mesh, tp_axis=None,
-                                                        seq_axis="seq", segments=segments)
+        step, state, cache = chunked.sharded_chunk_step(model, nnx.state(model), make, mesh,
+                                                        tp_axis=None, seq_axis="seq",
+                                                        segments=segments)
         analysis = step.lower(state, cache, ids, valid).compile().memory_analysis()
         del cache
         return None if analysis is None else int(analysis.temp_size_in_bytes)
     abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
     cache = jax.eval_shape(lambda: kv.empty(model.config, 1, length, model.dtype,
                                             full_dtype=kv_cache_dtype))
-    analysis = generate.chunk_step_fn(model).lower(graphdef, abstract(state), cache, ids, valid) \
-        .compile().memory_analysis()
+    structure, weights = generate.chunk_step_args(model)  # what prefill passes the step
+    lowered = generate.chunk_step_fn(model).lower(structure, abstract(weights), cache, ids, valid)
+    analysis = lowered.compile().memory_analysis()
     return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 

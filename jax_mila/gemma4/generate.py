@@ -12,6 +12,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jax_mila.gemma4 import cache as kv
@@ -44,10 +45,39 @@ def chunk_forward(model, cache, input_ids, valid):
     return model.logits(last), cache
 
 
-def _chunk_step(graphdef, state, cache, input_ids, valid):
-    """``chunk_forward`` as one jitted step. Position and valid length are traced, so every
-    chunk of a prompt (the padded last one included) runs the same compiled step."""
-    return chunk_forward(nnx.merge(graphdef, state), cache, input_ids, valid)
+def chunk_step_args(model: Gemma4ForCausalLM):
+    """(structure, weights) of ``model`` for the chunk step, taken from its current weights.
+
+    Flax registers nnx Modules as pytrees (flax >= 0.11): then the model's treedef and array
+    leaves, one flatten (12B: ~5 ms). nnx.split's GraphDef costs far more, and before the
+    device starts the first chunk: 30-60 ms to split, then 5-10 ms to hash and 1.5-3 ms to
+    compare at every jitted call; the treedef hashes and compares in well under a millisecond.
+    It holds the modules' non-array attributes, so jit still recompiles when one of those
+    changes, as for a GraphDef. A Variable reachable twice gives two leaves (the same array
+    twice): the forward only reads them.
+
+    Otherwise (flax that does not flatten the model to arrays, or a flatten that fails):
+    ``nnx.split(model)``. The step takes either."""
+    try:
+        leaves, treedef = jax.tree.flatten(model)
+    except Exception:  # noqa: BLE001 -- any flatten failure means graph mode, not an error
+        return nnx.split(model)
+    # An unregistered model comes back as its own single leaf, and a submodule that is not a
+    # pytree as a non-array one: neither can be a jit argument.
+    if all(isinstance(x, (jax.Array, np.ndarray)) for x in leaves):
+        return treedef, leaves
+    return nnx.split(model)
+
+
+def _chunk_step(structure, weights, cache, input_ids, valid):
+    """``chunk_forward`` as one jitted step, on the model rebuilt from ``chunk_step_args``.
+    Position and valid length are traced, so every chunk of a prompt (the padded last one
+    included) runs the same compiled step."""
+    if isinstance(structure, jax.tree_util.PyTreeDef):
+        model = jax.tree.unflatten(structure, weights)
+    else:
+        model = nnx.merge(structure, weights)
+    return chunk_forward(model, cache, input_ids, valid)
 
 
 # XLA's autotuner runs while a step compiles and allocates scratch copies of the operands it
@@ -57,14 +87,15 @@ def _chunk_step(graphdef, state, cache, input_ids, valid):
 # time), so its steps compile without autotuning; the reference backend keeps it, since its
 # dots are the work.
 _NO_AUTOTUNE = {"xla_gpu_autotune_level": 0}
-_prefill_chunk = jax.jit(_chunk_step, static_argnames=("graphdef",), donate_argnames=("cache",))
-_prefill_chunk_kernels = jax.jit(_chunk_step, static_argnames=("graphdef",),
+_prefill_chunk = jax.jit(_chunk_step, static_argnames=("structure",), donate_argnames=("cache",))
+_prefill_chunk_kernels = jax.jit(_chunk_step, static_argnames=("structure",),
                                  donate_argnames=("cache",), compiler_options=_NO_AUTOTUNE)
 
 
 def chunk_step_fn(model: Gemma4ForCausalLM):
     """The jitted chunk step ``prefill`` runs for ``model`` (its backend picks the compile
-    options above); the benchmark's memory plan compiles the same one."""
+    options above), called as step(*chunk_step_args(model), cache, ids, valid); the
+    benchmark's memory plan compiles the same one."""
     return _prefill_chunk if model.backend == "reference" else _prefill_chunk_kernels
 
 
@@ -201,7 +232,6 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
         raise ValueError(f"max_cache_len={max_len} is shorter than the prompt ({length})")
     if chunk_size is not None and int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
-    graphdef, state = nnx.split(model)
     tp, seq, devices = None, None, 1
     if mesh is not None:
         tp, seq = chunked.check_mesh(mesh, tp_axis, seq_axis)
@@ -214,7 +244,7 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
     size = default_chunk_size(model, batch, max_len) if chunk_size is None else int(chunk_size)
     if chunk_size is None and length <= size:
         if kv_cache_dtype is None and mesh is None:
-            return _prefill(graphdef, state, ids, max_len)
+            return _prefill(*nnx.split(model), ids, max_len)
         size = length  # one chunk, through the chunked step
     size = -(-size // devices) * devices  # a chosen size, rounded up for the seq axis
     chunks = -(-length // size)
@@ -226,10 +256,11 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
                                    full_dtype=kv_cache_dtype, seq_layout=layout)
     if mesh is None:
         cache = make_cache()
-        step = functools.partial(chunk_step_fn(model), graphdef)
+        structure, state = chunk_step_args(model)  # once per call: the weights as they are now
+        step = functools.partial(chunk_step_fn(model), structure)
     else:
-        step, state, cache = chunked.sharded_chunk_step(model, state, make_cache, mesh,
-                                                        tp_axis=tp, seq_axis=seq,
+        step, state, cache = chunked.sharded_chunk_step(model, nnx.state(model), make_cache,
+                                                        mesh, tp_axis=tp, seq_axis=seq,
                                                         segments=segments)
     steps = range(chunks)
     if progress:
