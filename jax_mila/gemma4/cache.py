@@ -28,6 +28,7 @@ rings of sliding layers are bounded by the window and stay in the model's dtype.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +69,17 @@ def empty(cfg, batch: int, max_len: int, dtype, *, full_dtype=None, seq_layout=(
     if full_dtype is not None and jnp.dtype(full_dtype) != jnp.dtype(jnp.float8_e4m3fn):
         raise ValueError(f"kv cache dtype for full-attention layers: {full_dtype!r} is not "
                          f"supported (supported: the model's dtype, or 'float8_e4m3fn')")
+    keys, values, length = _zero_buffers(cfg, batch, max_len, jnp.dtype(dtype),
+                                         None if full_dtype is None else jnp.dtype(full_dtype))
+    return KVCache(keys=keys, values=values, length=length, max_len=max_len,
+                   seq_layout=tuple(seq_layout))
+
+
+# One jitted call makes every layer's buffers. Made one jnp.zeros at a time, the 12B's 96
+# buffers cost the host a scalar upload and a broadcast dispatch each while the device sat
+# idle at the start of every prefill (~1 ms apiece in a profiled H200 run, docs/performance.md).
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _zero_buffers(cfg, batch: int, max_len: int, dtype, full_dtype):
     keys, values = [], []
     for spec in cfg.layers:
         if spec.is_kv_shared:
@@ -77,8 +89,7 @@ def empty(cfg, batch: int, max_len: int, dtype, *, full_dtype=None, seq_layout=(
         shape = (batch, slots, spec.num_kv_heads, spec.head_dim)
         buf = dtype if spec.is_sliding or full_dtype is None else full_dtype
         keys.append(jnp.zeros(shape, buf)), values.append(jnp.zeros(shape, buf))
-    return KVCache(keys=tuple(keys), values=tuple(values), length=jnp.int32(0), max_len=max_len,
-                   seq_layout=tuple(seq_layout))
+    return tuple(keys), tuple(values), jnp.int32(0)
 
 
 def prefill_entry(k: jax.Array, v: jax.Array, *, ring: int | None, max_len: int):

@@ -198,15 +198,20 @@ def quantize_mxfp4(w, *, name: str = "weight", check_finite: bool = True) -> MXF
 def _pack_words(codes):
     """e2m1 codes uint8 [..., words, 8] (code i of each word in storage order) -> the packed
     bytes [..., words * 4] of format version 2 (signs swizzled within each word)."""
-    nibbles = (codes & 7) | ((codes[..., SIGN_SOURCE] >> 3) << 3)
+    nibbles = (codes & 7) | (codes[..., SIGN_SOURCE] & 8)
     pairs = nibbles.reshape(*nibbles.shape[:-1], 4, 2)
     return (pairs[..., 0] | (pairs[..., 1] << 4)).reshape(*codes.shape[:-2], -1)
 
 
+def _word_nibbles(packed):
+    """Packed bytes [..., words * 4] -> their nibbles [..., words, 8], low nibble first."""
+    return jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1, 8)
+
+
 def _unpack_words(packed):
     """The inverse of _pack_words: packed bytes [..., words * 4] -> codes [..., words, 8]."""
-    nibbles = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1, 8)
-    return (nibbles & 7) | ((nibbles[..., _SIGN_HOLDER] >> 3) << 3)
+    nibbles = _word_nibbles(packed)
+    return (nibbles & 7) | (nibbles[..., _SIGN_HOLDER] & 8)
 
 
 def packed_from_version(packed, version: int):
@@ -217,9 +222,7 @@ def packed_from_version(packed, version: int):
     if version != 1:
         raise ValueError(f"MXFP4 packed bytes of format version {version!r} are not supported "
                          f"(supported: 1, {FORMAT_VERSION})")
-    packed = jnp.asarray(packed)
-    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1, 8)
-    return _pack_words(codes)
+    return _pack_words(_word_nibbles(jnp.asarray(packed)))  # v1 nibbles are whole codes
 
 
 def unpack_codes(w: MXFP4Weight):
