@@ -41,23 +41,13 @@ class FidelityTest(absltest.TestCase):
             self.assertGreater(lg["cosine_min"], 1 - 1e-6, msg)  # float32 rounding of the cosine
             self.assertEqual(result["forward"]["layer_rel_err"], [0.0] * 6, msg)
         else:
-            # The W4A8 kernels run (the embedded dims are multiples of 128). Each GEMM equals
-            # the reference to ~4e-4 (FP8 wgmma accumulation), but the next layer re-quantizes
-            # its input to e4m3 (ulp 2**-3): an element whose bf16 value differs by one ulp
-            # between the paths can round to neighbouring codes, so the paths drift apart by
-            # ~4e-3 per layer (H200, 2026-12-01: 6.2e-3 after layer 0, 2.2e-2 and 2.4e-2 after
-            # layer 5 for two seeds; the previous bound of 2e-2 failed on unchanged kernels).
+            # The W4A8 kernels run (the embedded dims are multiples of 128); they equal the
+            # reference up to float32 summation order (wgmma: ~1e-4), then bf16 rounding.
             self.assertGreater(lg["cosine_min"], 0.999, msg)
-            self.assertLess(max(result["forward"]["layer_rel_err"]), 3e-2, msg)
+            self.assertLess(max(result["forward"]["layer_rel_err"]), 2e-2, msg)
             self.assertLen(result["forward"]["layer_rel_err"], 6, msg)
         self.assertTrue(result["forward"]["chunked_prefill_last_logits"]["top1_equal"], msg)
-        g = result["generate"]
-        if _registry.cuda_capabilities():
-            # Greedy tokens may flip where the reference's margin is inside the paths' logit
-            # difference (fidelity.divergence: a near tie); anything else is a divergence.
-            self.assertTrue(g["equal"] or g["divergence"]["near_tie"], msg)
-        else:
-            self.assertTrue(g["equal"], msg)
+        self.assertTrue(result["generate"]["equal"], msg)
         self.assertLen(result["generate"]["kernel_tokens"], 6)
 
     def test_divergence_reports_both_margins(self):
