@@ -7,7 +7,7 @@ how long each chunk's dispatch takes against the device's time per chunk.
 Two ways of passing the model to the chunk step, side by side:
 - graph: nnx.split(model) -> (GraphDef, State), the GraphDef a static argument that jit hashes
   and compares at every call;
-- tree: generate.chunk_step_args(model), what prefill passes: the model's pytree treedef
+- tree: generate.model_args(model), what prefill passes: the model's pytree treedef
   (static, cheap to hash) and its array leaves, one flatten per prefill call.
 "prepare" is the per-call cost of taking the model apart; the dispatch columns are each chunk's
 step call, until it returns (the device runs asynchronously).
@@ -95,22 +95,22 @@ def main() -> None:
     other, _ = nnx.split(model)
     eq_ms, _ = _best_ms(lambda: graphdef == other, args.reps)
     flatten_ms, _ = _best_ms(lambda: jax.tree.flatten(state), args.reps)
-    args_ms, (treedef, leaves) = _best_ms(lambda: generate.chunk_step_args(model), args.reps)
+    args_ms, (treedef, leaves) = _best_ms(lambda: generate.model_args(model), args.reps)
     tree_mode = isinstance(treedef, jax.tree_util.PyTreeDef)
     tree_hash_ms, _ = _best_ms(lambda: hash(treedef), args.reps)
-    other, _ = generate.chunk_step_args(model)
+    other, _ = generate.model_args(model)
     tree_eq_ms, _ = _best_ms(lambda: treedef == other, args.reps)
     print(f"| nnx.split | {split_ms:.1f} ms | leaves {len(jax.tree.leaves(state))} |")
     print(f"| hash(graphdef) | {hash_ms:.1f} ms | |")
     print(f"| graphdef == graphdef (a jit cache hit) | {eq_ms:.1f} ms | |")
     print(f"| flatten state | {flatten_ms:.1f} ms | |")
-    print(f"| chunk_step_args ({'tree' if tree_mode else 'graph: no tree mode here'}) "
+    print(f"| model_args ({'tree' if tree_mode else 'graph: no tree mode here'}) "
           f"| {args_ms:.1f} ms | leaves {len(jax.tree.leaves(leaves))} |")
     print(f"| hash(treedef) | {tree_hash_ms:.2f} ms | |")
     print(f"| treedef == treedef | {tree_eq_ms:.2f} ms | |")
 
     step = generate.chunk_step_fn(model)
-    paths = {"graph": lambda: nnx.split(model), "tree": lambda: generate.chunk_step_args(model)}
+    paths = {"graph": lambda: nnx.split(model), "tree": lambda: generate.model_args(model)}
     _chunks(model, step, paths["graph"], ids, args.chunk)  # compiles the graph path's step
     for rep in range(args.reps):
         for name, prepare in paths.items():

@@ -14,25 +14,25 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_mila import gemma4
-from jax_mila.gemma4.generate import _decode, _forward, _prefill
+from jax_mila.gemma4.generate import _decode, _forward, _prefill, model_args
 
 
 def measure(size: str, seq: int, dtype, compile_: bool, what: str) -> dict:
     cfg = gemma4.Gemma4Config.from_pretrained(gemma4.model_card(size))
     t0 = time.perf_counter()
     model = nnx.eval_shape(lambda: gemma4.Gemma4ForCausalLM(cfg, dtype=dtype, backend="auto"))
-    graphdef, state = nnx.split(model)
+    structure, weights = model_args(model)  # what forward / prefill / decode pass their step
     ids = jax.ShapeDtypeStruct((1, seq), jnp.int32)
     t1 = time.perf_counter()
     if what == "forward":
-        lowered = _forward.lower(graphdef, state, ids)
+        lowered = _forward.lower(structure, weights, ids)
     elif what == "prefill":
-        lowered = _prefill.lower(graphdef, state, ids, seq)
+        lowered = _prefill.lower(structure, weights, ids, seq)
     else:  # decode: a scan of 8 greedy steps over a cache sized for seq positions
-        _, cache = jax.eval_shape(lambda s, x: _prefill(graphdef, s, x, seq), state,
+        _, cache = jax.eval_shape(lambda w, x: _prefill(structure, w, x, seq), weights,
                                   jax.ShapeDtypeStruct((1, seq - 8), jnp.int32))
         token = jax.ShapeDtypeStruct((1,), jnp.int32)
-        lowered = _decode.lower(graphdef, state, cache, token, 8)
+        lowered = _decode.lower(structure, weights, cache, token, 8)
     t2 = time.perf_counter()
     row = dict(size=size, what=what, layers=cfg.num_hidden_layers, seq=seq,
                build_s=round(t1 - t0, 2), lower_s=round(t2 - t1, 2))

@@ -9,7 +9,8 @@ MoE one (window 5). Chunk sizes straddle the window and the prompt
 continued from a chunked cache, one compile for every chunk and prompt length, the progress
 bar, the default chunk size, and a cache capacity below the window. The chunk step takes the
 model as a pytree (its treedef and arrays) where flax allows, else through nnx.split: both
-give the same bits, the step always reads the model's current weights, and the fallback works.
+give the same bits, the step always reads the model's current weights, and the fallback works;
+the same for forward, the one-shot prefill and decode.
 """
 
 from __future__ import annotations
@@ -264,6 +265,19 @@ def w4a8_model(seed=0):
                                     quantize="w4a8", rngs=nnx.Rngs(seed))
 
 
+def replace_a_weight(model):
+    """Replaces layer 0's down projection weight by a new Variable holding other values;
+    returns a function that sets the old values back in place."""
+    down = model.layers[0].mlp.down_proj
+    if down.quantize == "w4a8":
+        old = down.mxfp4
+        down.packed = MXFP4Param(old.packed ^ jnp.uint8(0x11))
+        return lambda: down.set_mxfp4(old)
+    old = down.kernel[...]
+    down.kernel = nnx.Param(-old)
+    return lambda: down.kernel.set_value(old)
+
+
 @contextlib.contextmanager
 def without_tree_mode(model, error=None):
     """As if flax did not register nnx Modules as pytrees (``model`` flattens to itself), or,
@@ -294,7 +308,7 @@ def assert_same_bits(test, a, b):
 
 
 class TreeModeStepTest(parameterized.TestCase):
-    """The chunk step on the model as a pytree (chunk_step_args) against nnx.split."""
+    """The chunk step on the model as a pytree (model_args) against nnx.split."""
 
     def prefill(self, model, ids, **kw):
         return gen.prefill(model, ids, chunk_size=4, max_cache_len=16, **kw)
@@ -322,7 +336,7 @@ class TreeModeStepTest(parameterized.TestCase):
         model = build()
         if build is w4a8_model:
             self.assertNotEmpty(jax.tree.leaves(nnx.state(model, MXFP4Param)))
-        structure, leaves = gen.chunk_step_args(model)
+        structure, leaves = gen.model_args(model)
         self.assertIsInstance(structure, jax.tree_util.PyTreeDef)
         # Exactly the state's arrays: no attribute that is not a Variable became a leaf.
         state = jax.tree.leaves(nnx.state(model))
@@ -338,7 +352,7 @@ class TreeModeStepTest(parameterized.TestCase):
         shared = model.layers[0].input_layernorm.weight
         shared.set_value(jnp.linspace(0.5, 1.5, shared.shape[0]))
         model.layers[1].input_layernorm.weight = shared
-        _, leaves = gen.chunk_step_args(model)
+        _, leaves = gen.model_args(model)
         self.assertLen(leaves, len(jax.tree.leaves(nnx.state(model))) + 1)  # the array twice
         ids = prompt(0, 11)
         tree = self.prefill(model, ids)
@@ -353,16 +367,7 @@ class TreeModeStepTest(parameterized.TestCase):
         model = build()
         ids = prompt(0, 11)
         first = self.prefill(model, ids)
-        mlp = model.layers[0].mlp
-        if mlp.down_proj.quantize == "w4a8":
-            old = mlp.down_proj.mxfp4
-            # A Variable replaced by a new one, then the old codes set back in place.
-            mlp.down_proj.packed = MXFP4Param(old.packed ^ jnp.uint8(0x11))
-            restore = lambda: mlp.down_proj.set_mxfp4(old)  # noqa: E731
-        else:
-            old = mlp.down_proj.kernel[...]
-            mlp.down_proj.kernel = nnx.Param(-old)
-            restore = lambda: mlp.down_proj.kernel.set_value(old)  # noqa: E731
+        restore = replace_a_weight(model)
         # Weights are arguments, never constants: none of this recompiles the tree-mode step.
         replaced = self.prefill_compiled(model, ids)
         self.assertFalse(np.array_equal(np.asarray(replaced[0]), np.asarray(first[0])))
@@ -395,7 +400,7 @@ class TreeModeStepTest(parameterized.TestCase):
         want = self.prefill(model, ids)
         for error in (None, TypeError("no pytree")):
             with self.subTest(error=error), without_tree_mode(model, error):
-                structure, _ = gen.chunk_step_args(model)
+                structure, _ = gen.model_args(model)
                 self.assertIsInstance(structure, nnx.GraphDef)
                 assert_same_bits(self, self.prefill(model, ids), want)
 
@@ -404,9 +409,70 @@ class TreeModeStepTest(parameterized.TestCase):
                 self.w = nnx.Param(jnp.ones(3))
 
         model.extra = Opaque()
-        structure, _ = gen.chunk_step_args(model)
+        structure, _ = gen.model_args(model)
         self.assertIsInstance(structure, nnx.GraphDef)
         assert_same_bits(self, self.prefill(model, ids), want)
+
+
+def _decode_setup(model, ids):
+    logits, cache = gen.prefill(model, ids, max_cache_len=16)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+
+# forward, the one-shot prefill and decode: (their jitted step, setup(model, ids) -> inputs
+# made once, call(model, ids, inputs) -> outputs).
+ENTRY_POINTS = {
+    "forward": ("_forward", lambda model, ids: (), lambda model, ids, _: gen.forward(model, ids)),
+    "prefill": ("_prefill", lambda model, ids: (),
+                lambda model, ids, _: gen.prefill(model, ids, max_cache_len=16)),
+    "decode": ("_decode", _decode_setup,
+               lambda model, ids, inputs: gen.decode(model, *inputs, 3)),
+}
+
+
+class TreeModeEntryPointsTest(parameterized.TestCase):
+    """forward, the one-shot prefill and decode take the model as model_args gives it, like the
+    chunk step: the same bits as through nnx.split, and the weights as they are at each call."""
+
+    def assert_same_leaves(self, a, b):
+        self.assertEqual(jax.tree.structure(a), jax.tree.structure(b))
+        for i, (x, y) in enumerate(zip(jax.tree.leaves(a), jax.tree.leaves(b))):
+            self.assertEqual((x.shape, x.dtype), (y.shape, y.dtype))
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"leaf {i}")
+
+    def run_both(self, name, model, ids, inputs):
+        """(tree-mode outputs, graph-mode outputs, compiles of the step), each on its own copy
+        of ``inputs`` (decode donates its cache). Tree mode never calls nnx.split."""
+        jitted, _, call = ENTRY_POINTS[name]
+        step = getattr(gen, jitted)
+        before = step._cache_size()
+        with mock.patch.object(nnx, "split", wraps=nnx.split) as split:
+            tree = call(model, ids, jax.tree.map(jnp.copy, inputs))
+        split.assert_not_called()
+        with without_tree_mode(model), mock.patch.object(nnx, "split", wraps=nnx.split) as split:
+            graph = call(model, ids, jax.tree.map(jnp.copy, inputs))
+        split.assert_called_once()
+        return tree, graph, step._cache_size() - before
+
+    @parameterized.product(name=list(ENTRY_POINTS), build=["bf16", "w4a8"])
+    def test_same_bits_and_current_weights(self, name, build):
+        model = tiny_model(dtype=jnp.bfloat16) if build == "bf16" else w4a8_model()
+        ids = prompt(0, 11)
+        inputs = ENTRY_POINTS[name][1](model, ids)  # decode's token and cache, by these weights
+        first, graph, _ = self.run_both(name, model, ids, inputs)
+        self.assert_same_leaves(first, graph)
+        # Weights are arguments, never constants: a new one changes the outputs (from the same
+        # inputs) without a compile in either mode.
+        restore = replace_a_weight(model)
+        replaced, graph, compiles = self.run_both(name, model, ids, inputs)
+        self.assertEqual(compiles, 0)
+        self.assert_same_leaves(replaced, graph)
+        self.assertFalse(all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in
+                             zip(jax.tree.leaves(first), jax.tree.leaves(replaced))))
+        restore()
+        back, _, compiles = self.run_both(name, model, ids, inputs)
+        self.assertEqual(compiles, 0)
+        self.assert_same_leaves(back, first)
 
 
 class RingUpdateTest(absltest.TestCase):

@@ -228,7 +228,7 @@ def _chunk_step_temp_bytes(generate, model, chunk: int, length: int, kv_cache_dt
     abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
     cache = jax.eval_shape(lambda: kv.empty(model.config, 1, length, model.dtype,
                                             full_dtype=kv_cache_dtype))
-    structure, weights = generate.chunk_step_args(model)  # what prefill passes the step
+    structure, weights = generate.model_args(model)  # what prefill passes the step
     lowered = generate.chunk_step_fn(model).lower(structure, abstract(weights), cache, ids, valid)
     analysis = lowered.compile().memory_analysis()
     return None if analysis is None else int(analysis.temp_size_in_bytes)

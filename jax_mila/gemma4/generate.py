@@ -4,6 +4,11 @@
 tokens, and returns the last position's logits and the cache; ``generate`` continues greedily one token per step from that cache. The
 decode steps use the same positions, window and masks as a full re-run, so the tokens equal
 those of re-running the full sequence at every step (the parity suite checks this).
+
+The jitted steps here (forward, one-shot prefill, chunk step, decode; the mesh's chunk step is
+jax_mila.parallel.chunked's) take the model as ``model_args`` gives it: its pytree treedef
+(static) and array leaves, one flatten per call, or ``nnx.split`` where flax cannot flatten it.
+Taking the model apart is host time the device waits for at every call, so it is kept cheap.
 """
 
 from __future__ import annotations
@@ -21,14 +26,47 @@ from jax_mila.gemma4.model import Gemma4ForCausalLM
 from jax_mila.parallel import chunked
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _forward(graphdef, state, input_ids):
-    return nnx.merge(graphdef, state)(input_ids)
+def model_args(model: Gemma4ForCausalLM):
+    """(structure, weights) of ``model`` for the jitted steps below, taken from its current
+    weights; ``_model`` rebuilds the model from them inside the step.
+
+    Flax registers nnx Modules as pytrees (flax >= 0.11): then the model's treedef and array
+    leaves, one flatten (12B: ~5 ms). nnx.split's GraphDef costs far more, and before the
+    device starts: 30-60 ms to split, then 5-10 ms to hash and 1.5-3 ms to compare at every
+    jitted call; the treedef hashes and compares in well under a millisecond.
+    It holds the modules' non-array attributes, so jit still recompiles when one of those
+    changes, as for a GraphDef. A Variable reachable twice gives two leaves (the same array
+    twice): the steps only read them.
+
+    Otherwise (flax that does not flatten the model to arrays, or a flatten that fails):
+    ``nnx.split(model)``. The steps take either."""
+    try:
+        leaves, treedef = jax.tree.flatten(model)
+    except Exception:  # noqa: BLE001 -- any flatten failure means graph mode, not an error
+        return nnx.split(model)
+    # An unregistered model comes back as its own single leaf, and a submodule that is not a
+    # pytree as a non-array one: neither can be a jit argument. Abstract weights (a model from
+    # nnx.eval_shape) are kept for .lower(), as scripts/measure_compile.py does.
+    if all(isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for x in leaves):
+        return treedef, leaves
+    return nnx.split(model)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_len"))
-def _prefill(graphdef, state, input_ids, max_len):
-    model = nnx.merge(graphdef, state)
+def _model(structure, weights) -> Gemma4ForCausalLM:
+    """The model from ``model_args``, inside a jitted step."""
+    if isinstance(structure, jax.tree_util.PyTreeDef):
+        return jax.tree.unflatten(structure, weights)
+    return nnx.merge(structure, weights)
+
+
+@functools.partial(jax.jit, static_argnames=("structure",))
+def _forward(structure, weights, input_ids):
+    return _model(structure, weights)(input_ids)
+
+
+@functools.partial(jax.jit, static_argnames=("structure", "max_len"))
+def _prefill(structure, weights, input_ids, max_len):
+    model = _model(structure, weights)
     h, cache = model.hidden_states(input_ids, mode="prefill", max_len=max_len)
     return model.logits(h[:, -1]), cache
 
@@ -45,39 +83,11 @@ def chunk_forward(model, cache, input_ids, valid):
     return model.logits(last), cache
 
 
-def chunk_step_args(model: Gemma4ForCausalLM):
-    """(structure, weights) of ``model`` for the chunk step, taken from its current weights.
-
-    Flax registers nnx Modules as pytrees (flax >= 0.11): then the model's treedef and array
-    leaves, one flatten (12B: ~5 ms). nnx.split's GraphDef costs far more, and before the
-    device starts the first chunk: 30-60 ms to split, then 5-10 ms to hash and 1.5-3 ms to
-    compare at every jitted call; the treedef hashes and compares in well under a millisecond.
-    It holds the modules' non-array attributes, so jit still recompiles when one of those
-    changes, as for a GraphDef. A Variable reachable twice gives two leaves (the same array
-    twice): the forward only reads them.
-
-    Otherwise (flax that does not flatten the model to arrays, or a flatten that fails):
-    ``nnx.split(model)``. The step takes either."""
-    try:
-        leaves, treedef = jax.tree.flatten(model)
-    except Exception:  # noqa: BLE001 -- any flatten failure means graph mode, not an error
-        return nnx.split(model)
-    # An unregistered model comes back as its own single leaf, and a submodule that is not a
-    # pytree as a non-array one: neither can be a jit argument.
-    if all(isinstance(x, (jax.Array, np.ndarray)) for x in leaves):
-        return treedef, leaves
-    return nnx.split(model)
-
-
 def _chunk_step(structure, weights, cache, input_ids, valid):
-    """``chunk_forward`` as one jitted step, on the model rebuilt from ``chunk_step_args``.
+    """``chunk_forward`` as one jitted step, on the model rebuilt from ``model_args``.
     Position and valid length are traced, so every chunk of a prompt (the padded last one
     included) runs the same compiled step."""
-    if isinstance(structure, jax.tree_util.PyTreeDef):
-        model = jax.tree.unflatten(structure, weights)
-    else:
-        model = nnx.merge(structure, weights)
-    return chunk_forward(model, cache, input_ids, valid)
+    return chunk_forward(_model(structure, weights), cache, input_ids, valid)
 
 
 # XLA's autotuner runs while a step compiles and allocates scratch copies of the operands it
@@ -94,14 +104,14 @@ _prefill_chunk_kernels = jax.jit(_chunk_step, static_argnames=("structure",),
 
 def chunk_step_fn(model: Gemma4ForCausalLM):
     """The jitted chunk step ``prefill`` runs for ``model`` (its backend picks the compile
-    options above), called as step(*chunk_step_args(model), cache, ids, valid); the
+    options above), called as step(*model_args(model), cache, ids, valid); the
     benchmark's memory plan compiles the same one."""
     return _prefill_chunk if model.backend == "reference" else _prefill_chunk_kernels
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("cache",))
-def _decode(graphdef, state, cache, token, steps):
-    model = nnx.merge(graphdef, state)
+@functools.partial(jax.jit, static_argnames=("structure", "steps"), donate_argnames=("cache",))
+def _decode(structure, weights, cache, token, steps):
+    model = _model(structure, weights)
 
     def step(carry, _):
         cache, tok = carry
@@ -122,8 +132,7 @@ def _ids(input_ids) -> jax.Array:
 
 def forward(model: Gemma4ForCausalLM, input_ids) -> jax.Array:
     """Jitted ``model(input_ids)``: logits [B, S, vocab]; compiles once per input shape."""
-    graphdef, state = nnx.split(model)
-    return _forward(graphdef, state, _ids(input_ids))
+    return _forward(*model_args(model), _ids(input_ids))
 
 
 DEFAULT_CHUNK = 2048        # tokens per chunk when the device reports no memory figures
@@ -244,7 +253,7 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
     size = default_chunk_size(model, batch, max_len) if chunk_size is None else int(chunk_size)
     if chunk_size is None and length <= size:
         if kv_cache_dtype is None and mesh is None:
-            return _prefill(*nnx.split(model), ids, max_len)
+            return _prefill(*model_args(model), ids, max_len)
         size = length  # one chunk, through the chunked step
     size = -(-size // devices) * devices  # a chosen size, rounded up for the seq axis
     chunks = -(-length // size)
@@ -256,7 +265,7 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
                                    full_dtype=kv_cache_dtype, seq_layout=layout)
     if mesh is None:
         cache = make_cache()
-        structure, state = chunk_step_args(model)  # once per call: the weights as they are now
+        structure, state = model_args(model)  # once per call: the weights as they are now
         step = functools.partial(chunk_step_fn(model), structure)
     else:
         step, state, cache = chunked.sharded_chunk_step(model, nnx.state(model), make_cache,
@@ -287,8 +296,7 @@ def decode(model: Gemma4ForCausalLM, token, cache: KVCache, steps: int):
     if needed > cache.max_len:
         raise ValueError(f"the cache holds {cache.max_len} positions; {steps} decode steps from "
                          f"length {int(cache.length)} need {needed} (pass a larger max_cache_len)")
-    graphdef, state = nnx.split(model)
-    return _decode(graphdef, state, cache, jnp.asarray(token, jnp.int32), steps)
+    return _decode(*model_args(model), cache, jnp.asarray(token, jnp.int32), steps)
 
 
 def generate(model: Gemma4ForCausalLM, input_ids, max_new_tokens: int, *,
