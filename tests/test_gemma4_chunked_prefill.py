@@ -94,7 +94,11 @@ class ChunkedPrefillTest(parameterized.TestCase):
         # prompt_seed 2101812063, length 20: a cache buffer 1.3e-5 x its magnitude from the
         # one-shot prefill at chunk 3, and 1.1e-5 x at chunk 20, one chunk holding the whole
         # prompt; in float64 3e-7 x, the rest being the reference ops' float32 parts).
-        with jax.enable_x64(True):
+        # On the host CPU device, also where a GPU is present: XLA:GPU refuses float64 GEMMs
+        # ("GEMM is not supported by cublasLt and legacy cublas fallback is removed", jax 0.11
+        # on the H200), and what this checks, the chunks' masks, ring slots and positions, is
+        # the same computation on every device (these head dims run the reference attention).
+        with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
             self._chunked_equals_one_shot(overrides)
 
     def _chunked_equals_one_shot(self, overrides):
@@ -176,12 +180,16 @@ class ChunkedPrefillTest(parameterized.TestCase):
         with mock.patch.object(jax, "devices", return_value=[gpu]):
             self.assertEqual(gen.default_chunk_size(model, 1, 1), 2048)
             self.assertEqual(gen.default_chunk_size(model, 64, 1), gen.MIN_CHUNK)
-        # chunk_size=None chunks a prompt longer than the default chunk.
+        # chunk_size=None chunks a prompt longer than the default chunk. The default is patched
+        # where prefill takes it: on a GPU the plan comes from the device's free memory (far
+        # above 9 tokens, so the prompt would go through the one-shot prefill), not from
+        # DEFAULT_CHUNK as on a device without memory figures.
         ids = prompt(0, 9)
         ref, _ = gemma4.prefill(model, ids)
         before = gen.chunk_step_fn(model)._cache_size()
-        with mock.patch.object(gen, "DEFAULT_CHUNK", 4):
+        with mock.patch.object(gen, "default_chunk_size", return_value=4) as plan:
             logits, cache = gemma4.prefill(model, ids)
+        plan.assert_called_once()
         self.assertEqual(gen.chunk_step_fn(model)._cache_size() - before, 1)
         assert_close_logits(logits, ref)
 
