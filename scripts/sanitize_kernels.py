@@ -70,7 +70,14 @@ def check_quantize():
     # The fused norms, with and without a branch: each launch configuration (1 chunk per thread
     # up to K = 4096, 2 up to 8192, the uncached kernel beyond), more rows than the grid (the
     # blocks stride over rows, weights and the next row's loads held across rows), zero rows;
-    # held against jax_mila.testing.add_rms_norm_quantization_problem.
+    # held against jax_mila.testing.add_rms_norm_quantization_problem. Only the kernel: the
+    # reference under jit is the unfused layers' expression as XLA computes it, which may keep h
+    # in float32 for the second norm (jax_mila/reference/quantize.py) where the oracle wants it
+    # rounded.
+    st = ffi.status("add_rms_norm_quantize")
+    if not (testing.has_cuda() and st.kernel):
+        yield f"add_rms_norm_quantize: skipped, no kernel here ({st.reason})"
+        return
     for shape in ((1, 16), (3, 5, 48), (97, 2816), (33, 3840), (9, 4112), (9, 5376), (3, 8192),
                   (3, 9008), (3000, 128)):
         k = shape[-1]
