@@ -862,6 +862,33 @@ class NormKernelTest(parameterized.TestCase):
             same = np.mean(np.asarray(a, np.float32) == np.asarray(b, np.float32))
             self.assertGreater(same, 0.99, name)
 
+    def test_inside_cuda_graph(self):
+        """In a child process with XLA command buffers (CUDA graphs) forced on for custom calls:
+        the handler's occupancy query (the strided grid) and launch under capture."""
+        script = textwrap.dedent("""
+            import sys, functools
+            sys.path.insert(0, %r)
+            import jax, jax.numpy as jnp
+            from jax_mila import ffi, testing
+            from test_quantize import norm_inputs, EPS
+            x, branch, wb, wn = norm_inputs((4096, 384), seed=3)
+            fn = functools.partial(ffi.add_rms_norm_quantize, eps=EPS)
+            f = jax.jit(lambda x, b: fn(x * 2, b, branch_weight=wb, norm_weight=wn))
+            for _ in range(3):
+                got = f(x, branch)
+            p = testing.add_rms_norm_quantization_problem(x * 2, branch, got, branch_weight=wb,
+                                                          norm_weight=wn, eps=EPS)
+            assert p is None, p
+            print("CHILD OK")
+        """ % os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                            " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
+                            " --xla_gpu_graph_min_graph_size=1")
+        res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, timeout=300)
+        self.assertIn("CHILD OK", res.stdout, res.stderr[-3000:])
+
     def test_vmap(self):
         x, branch, wb, wn = norm_inputs((3, 7, 64))
         fn = functools.partial(ffi.add_rms_norm_quantize, eps=EPS)

@@ -120,10 +120,14 @@ def add_rms_norm_quantize(x, branch=None, *, branch_weight=None, norm_weight, ep
     x, branch: bfloat16 [..., K] of the same shape, K a multiple of 16; branch_weight (with a
     branch only), norm_weight: bfloat16 or float32 [K]; eps: a finite number > 0. rms_norm is
     jax_mila.nn.norm.rms_norm (float32, the weight itself as multiplier, rounded once to bf16);
-    q float8_e4m3fn [..., K], scale float32 [...] as quantize_activations returns them. The
-    definition is jax_mila.reference.add_rms_norm_quantize; the kernel sums the squares in its
+    q float8_e4m3fn [..., K], scale float32 [...] as quantize_activations returns them.
+
+    Without the kernel (CPU, JAX_MILA_DISABLE) this is jax_mila.reference.add_rms_norm_quantize,
+    the decoder layer's own expression, so a model computes what it computed unfused, bit for
+    bit (under jit XLA may keep h in float32 for the second norm there: see that module). The
+    kernel computes the definition, every bf16 rounding included, with the squares summed in its
     own order, which moves rare elements of h and of the normed rows by a bf16 step: what any
-    implementation may return is stated and checked by
+    implementation of the definition may return is stated and checked by
     jax_mila.testing.add_rms_norm_quantization_problem.
     """
     _validate_rows(NORM_OP, "x", x)
