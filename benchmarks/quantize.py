@@ -7,7 +7,17 @@ the H200's 4.8 TB/s. Target (issue 2): >= 80% of it at M=16384, K=15360. For qua
 both columns count the fused op's bytes, 2*2*M*K (gate and up read) + M*K + 4*M, so their TB/s
 compare like their times (the unfused pair really moves 9*M*K: it writes and re-reads h).
 
+add_rms_norm_quantize (the decoder layer's norms fused with the quantizer of the W4A8
+projections after them) against XLA's norm fusions followed by our quantize_activations, both
+columns counting the fused op's bytes:
+- with a branch (h + post_attention_layernorm(a) -> pre_feedforward_layernorm -> gate/up):
+  2*2*M*K (x and the branch read) + 2*M*K (h written) + M*K (q) + 4*M;
+- without (input_layernorm -> q/k/v): 2*M*K + M*K + 4*M.
+The unfused pairs move at least 2*M*K more each (the normed rows written and read back), and
+more where XLA reads a row once for its sum of squares and again to normalize it.
+
     python benchmarks/quantize.py [--shapes 16384x15360,16384x3840] [--geglu-shapes 4096x15360]
+                                  [--norm-shapes 4096x3840,16384x3840]
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from _bench import markdown_table, median_seconds_per_call, write_json  # noqa: 
 
 from jax_mila import ffi, reference  # noqa: E402
 from jax_mila.gemma4.mlp import gelu_tanh  # noqa: E402
+from jax_mila.nn.norm import rms_norm  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 
@@ -34,6 +45,30 @@ def _shapes(spec: str) -> list[tuple[int, int]]:
 
 def _unfused_geglu(g, u):
     return ffi.quantize_activations(gelu_tanh(g) * u)
+
+
+EPS = 1e-6
+
+
+def _norm_weights(k):
+    """bf16 norm weights of a checkpoint (1 + a perturbation)."""
+    w = 1 + 0.3 * jax.random.normal(jax.random.key(7), (2, k), jnp.float32)
+    return w.astype(jnp.bfloat16)
+
+
+def _norm_candidates(k):
+    wb, wn = _norm_weights(k)
+    fused_branch = lambda x, a: ffi.add_rms_norm_quantize(  # noqa: E731
+        x, a, branch_weight=wb, norm_weight=wn, eps=EPS)
+
+    def unfused_branch(x, a):   # what Gemma4DecoderLayer computed before the op
+        h = x + rms_norm(a, wb, EPS)
+        return (h,) + ffi.quantize_activations(rms_norm(h, wn, EPS))
+
+    fused = lambda x: ffi.add_rms_norm_quantize(x, norm_weight=wn, eps=EPS)  # noqa: E731
+    unfused = lambda x: ffi.quantize_activations(rms_norm(x, wn, EPS))  # noqa: E731
+    return ([("jax_mila", fused_branch), ("xla_then_jax_mila", unfused_branch)],
+            [("jax_mila", fused), ("xla_then_jax_mila", unfused)])
 
 
 def _timed_rows(shapes, n_inputs, candidates, nbytes_of):
@@ -63,9 +98,11 @@ def main() -> None:
     parser.add_argument("--shapes", default="16384x15360,16384x3840,16384x21504,1024x3840")
     parser.add_argument("--geglu-shapes", default="4096x15360,16384x15360,16384x21504",
                         help="M x K of quantize_geglu (empty: skip)")
+    parser.add_argument("--norm-shapes", default="4096x3840,16384x3840",
+                        help="M x K of add_rms_norm_quantize (empty: skip)")
     args = parser.parse_args()
     print(f"device: {jax.devices()[0].device_kind}; kernel: {ffi.status('quantize_activations')}; "
-          f"{ffi.status('quantize_geglu')}")
+          f"{ffi.status('quantize_geglu')}; {ffi.status('add_rms_norm_quantize')}")
     rows, records = _timed_rows(
         _shapes(args.shapes), 1,
         [("jax_mila", ffi.quantize_activations), ("xla", reference.quantize_activations)],
@@ -74,9 +111,21 @@ def main() -> None:
         _shapes(args.geglu_shapes), 2,
         [("jax_mila", ffi.quantize_geglu), ("xla_then_jax_mila", _unfused_geglu)],
         lambda m, k: 5 * m * k + 4 * m)
+    norm_rows, norm_records, norm_only_rows, norm_only_records = [], [], [], []
+    for m, k in _shapes(args.norm_shapes):
+        branch, alone = _norm_candidates(k)
+        r, rec = _timed_rows([(m, k)], 2, branch, lambda m, k: 7 * m * k + 4 * m)
+        norm_rows += r
+        norm_records += rec
+        r, rec = _timed_rows([(m, k)], 1, alone, lambda m, k: 3 * m * k + 4 * m)
+        norm_only_rows += r
+        norm_only_records += rec
     write_json("quantize", records)
     if geglu_records:
         write_json("quantize_geglu", geglu_records)
+    if norm_records:
+        write_json("add_rms_norm_quantize",
+                   {"branch": norm_records, "no_branch": norm_only_records})
     print(markdown_table(["M x K", "jax_mila us", "jax_mila TB/s", "of 4.8 TB/s", "XLA us",
                           "XLA TB/s"], rows))
     if geglu_rows:
@@ -85,6 +134,15 @@ def main() -> None:
               "TB/s of the fused op's bytes for both")
         print(markdown_table(["M x K", "fused us", "fused TB/s", "of 4.8 TB/s",
                               "XLA + quantize us", "XLA + quantize TB/s"], geglu_rows))
+    for title, rows_ in (("with a branch: h = x + rms_norm(a), quantize(rms_norm(h)); XLA: the "
+                          "add and both norms, then quantize_activations", norm_rows),
+                         ("without: quantize(rms_norm(x)); XLA: the norm, then "
+                          "quantize_activations", norm_only_rows)):
+        if rows_:
+            print()
+            print(f"add_rms_norm_quantize (fused) {title}; TB/s of the fused op's bytes for both")
+            print(markdown_table(["M x K", "fused us", "fused TB/s", "of 4.8 TB/s",
+                                  "XLA + quantize us", "XLA + quantize TB/s"], rows_))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ namespace nb = nanobind;
 #ifdef MILA_WITH_QUANTIZE
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaQuantizeActivations);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaQuantizeGeglu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaRmsNormQuantize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaAddRmsNormQuantize);
 #endif
 #ifdef MILA_WITH_FLASH256
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaFlashAttentionD256);
@@ -49,6 +51,8 @@ NB_MODULE(_jax_mila_cuda, m) {
 #ifdef MILA_WITH_QUANTIZE
     targets["jax_mila_quantize_activations"] = EncapsulateFfiHandler(MilaQuantizeActivations);
     targets["jax_mila_quantize_geglu"] = EncapsulateFfiHandler(MilaQuantizeGeglu);
+    targets["jax_mila_rms_norm_quantize"] = EncapsulateFfiHandler(MilaRmsNormQuantize);
+    targets["jax_mila_add_rms_norm_quantize"] = EncapsulateFfiHandler(MilaAddRmsNormQuantize);
 #endif
 #ifdef MILA_WITH_FLASH256
     targets["jax_mila_flash_attention_d256"] = EncapsulateFfiHandler(MilaFlashAttentionD256);

@@ -58,6 +58,24 @@ def _check_quantize_geglu() -> str | None:
     return testing.geglu_quantization_problem(gate, up, q, s)
 
 
+def _check_add_rms_norm_quantize() -> str | None:
+    from jax_mila import testing
+
+    k1, k2, k3 = jax.random.split(_fresh_key(), 3)
+    x = (jax.random.normal(k1, (97, 2816), jnp.float32) * 3).astype(jnp.bfloat16)
+    branch = jax.random.normal(k2, (97, 2816), jnp.float32).at[5].set(0).astype(jnp.bfloat16)
+    wb, wn = jax.random.uniform(k3, (2, 2816), jnp.float32, -1.0, 3.0)
+    kw = dict(branch_weight=wb.astype(jnp.bfloat16), norm_weight=wn, eps=1e-6)
+    got = jax.jit(lambda x, b: ffi.add_rms_norm_quantize(x, b, **kw))(x, branch)
+    # Against the interval oracle, like quantize_geglu: the kernel's sums of squares run in
+    # another order than XLA's.
+    problem = testing.add_rms_norm_quantization_problem(x, branch, got, **kw)
+    if problem is None:
+        got = jax.jit(lambda x: ffi.add_rms_norm_quantize(x, norm_weight=wn, eps=1e-6))(x)
+        problem = testing.add_rms_norm_quantization_problem(x, None, got, **kw)
+    return problem
+
+
 def _attention_case(d: int, target: str) -> Callable[[], str | None]:
     """D=``d`` through ffi.flash_attention with its routing pinned to ``target`` (the Hopper
     kernel or the portable one: jax_mila/ffi/attention.py)."""
@@ -116,6 +134,7 @@ def _checks() -> dict[str, list[tuple[str | None, Callable[[], str | None]]]]:
     return {
         "quantize_activations": [(None, _check_quantize)],
         "quantize_geglu": [(None, _check_quantize_geglu)],
+        "add_rms_norm_quantize": [(None, _check_add_rms_norm_quantize)],
         "flash_attention": [(t, _attention_case(d, t)) for d, t in _attention_targets()],
         "w4a8_matmul": [(None, _check_w4a8)],
     }

@@ -7,6 +7,7 @@ Kept in the package so GPU suites, benchmarks and users' own tests share one def
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -158,6 +159,43 @@ def _e4m3(x, direction):
     return np.minimum(direct, via16) if direction < 0 else np.maximum(direct, via16)
 
 
+class _RowsCheck(NamedTuple):
+    ok_row: np.ndarray     # [R] bool: the scale (and, for a zero row, every code) is admissible
+    ok_code: np.ndarray    # [R, K] bool: the code is admissible given the row's scale
+    amax: np.ndarray       # [R] the amax read back from the scale
+    amax_lo: np.ndarray    # [R] admissible amax
+    amax_hi: np.ndarray
+    code_lo: np.ndarray    # [R, K] admissible codes
+    code_hi: np.ndarray
+
+
+def _quantized_rows_check(v_lo, v_hi, qv, s) -> _RowsCheck:
+    """The row quantization of both oracles (quantize_activations' definition, see above): rows
+    [R, K] whose elements may be any bf16 value in [v_lo, v_hi] (float64), against the codes qv
+    (float64 [R, K]) and scales s (float32 [R]) an implementation returned."""
+    spans_zero = (v_lo <= 0) & (v_hi >= 0)
+    mag_lo = np.where(spans_zero, 0.0, np.minimum(np.abs(v_lo), np.abs(v_hi)))
+    mag_hi = np.maximum(np.abs(v_lo), np.abs(v_hi))
+    amax_lo, amax_hi = mag_lo.max(axis=1), mag_hi.max(axis=1)
+    # The row's amax, read back from its scale (a bf16 value: scale * 448 is within 2^-22
+    # of it), must be admissible and give that scale exactly.
+    amax = _bf16(s.astype(np.float64) * 448.0, -1)
+    regular = ((amax >= _QUANT_MIN_AMAX) & (amax >= amax_lo) & (amax <= amax_hi)
+               & (amax.astype(np.float32) * _INV_E4M3_MAX == s))
+    # ... and the element that set it quantizes to +-448.
+    regular &= np.abs(qv).max(axis=1) == 448.0
+    zero = (amax_lo < _QUANT_MIN_AMAX) & (s == 1.0) & np.all(qv == 0, axis=1)
+    inv = np.where(regular, 448.0 / np.where(regular, amax, 1.0), 0.0)[:, None]
+    slack = 3 * 2.0**-23  # inv within 3 ulp, then the float32 rounding of v * inv
+    x_lo = np.minimum(v_lo * inv * (1 - slack), v_lo * inv * (1 + slack))
+    x_hi = np.maximum(v_hi * inv * (1 - slack), v_hi * inv * (1 + slack))
+    x_lo = np.clip(x_lo - np.abs(x_lo) * 2.0**-23, -448.0, 448.0)
+    x_hi = np.clip(x_hi + np.abs(x_hi) * 2.0**-23, -448.0, 448.0)
+    code_lo, code_hi = _e4m3(x_lo, -1), _e4m3(x_hi, +1)
+    ok = (zero[:, None] & (qv == 0)) | (regular[:, None] & (qv >= code_lo) & (qv <= code_hi))
+    return _RowsCheck(regular | zero, ok, amax, amax_lo, amax_hi, code_lo, code_hi)
+
+
 def geglu_gelu_interval(gate, *, tanh_error: float = GEGLU_TANH_ERROR):
     """(lo, hi) float64 arrays: where an admitted float32 gelu_tanh(gate) may land, before its
     bf16 rounding."""
@@ -203,37 +241,16 @@ def geglu_quantization_problem(gate, up, q, scale, *, tanh_error: float = GEGLU_
     for r0 in range(0, g.shape[0], step):
         rows = slice(r0, r0 + step)
         h_lo, h_hi = geglu_h_interval(g[rows], u[rows], tanh_error=tanh_error)
-        spans_zero = (h_lo <= 0) & (h_hi >= 0)
-        mag_lo = np.where(spans_zero, 0.0, np.minimum(np.abs(h_lo), np.abs(h_hi)))
-        mag_hi = np.maximum(np.abs(h_lo), np.abs(h_hi))
-        amax_lo, amax_hi = mag_lo.max(axis=1), mag_hi.max(axis=1)
-        sr = s[rows]
-        # The row's amax, read back from its scale (a bf16 value: scale * 448 is within 2^-22
-        # of it), must be admissible and give that scale exactly.
-        amax = _bf16(sr.astype(np.float64) * 448.0, -1)
-        regular = ((amax >= _QUANT_MIN_AMAX) & (amax >= amax_lo) & (amax <= amax_hi)
-                   & (amax.astype(np.float32) * _INV_E4M3_MAX == sr))
-        # ... and the element that set it quantizes to +-448.
-        regular &= np.abs(qv[rows]).max(axis=1) == 448.0
-        zero = (amax_lo < _QUANT_MIN_AMAX) & (sr == 1.0) & np.all(qv[rows] == 0, axis=1)
-        ok_row = regular | zero
-        inv = np.where(regular, 448.0 / np.where(regular, amax, 1.0), 0.0)[:, None]
-        slack = 3 * 2.0**-23  # inv within 3 ulp, then the float32 rounding of h * inv
-        x_lo = np.minimum(h_lo * inv * (1 - slack), h_lo * inv * (1 + slack))
-        x_hi = np.maximum(h_hi * inv * (1 - slack), h_hi * inv * (1 + slack))
-        x_lo = np.clip(x_lo - np.abs(x_lo) * 2.0**-23, -448.0, 448.0)
-        x_hi = np.clip(x_hi + np.abs(x_hi) * 2.0**-23, -448.0, 448.0)
-        code_lo, code_hi = _e4m3(x_lo, -1), _e4m3(x_hi, +1)
-        qr = qv[rows]
-        ok = (zero[:, None] & (qr == 0)) | (regular[:, None] & (qr >= code_lo) & (qr <= code_hi))
-        for r in np.flatnonzero(~ok_row):
-            bad_rows.append(f"row {r0 + r}: scale {sr[r]!r} (amax {amax[r]!r}, max |code| "
-                            f"{np.abs(qv[r0 + r]).max()!r}), admissible amax "
-                            f"[{amax_lo[r]!r}, {amax_hi[r]!r}]")
-        for r, c in zip(*np.nonzero(~ok & ok_row[:, None])):
-            bad_codes.append(f"[{r0 + r}, {c}] gate {g[r0 + r, c]!r} up {u[r0 + r, c]!r}: code "
-                             f"{qr[r, c]!r}, admissible [{code_lo[r, c]!r}, {code_hi[r, c]!r}] "
-                             f"(h in [{h_lo[r, c]!r}, {h_hi[r, c]!r}])")
+        qr, sr = qv[rows], s[rows]
+        c = _quantized_rows_check(h_lo, h_hi, qr, sr)
+        for r in np.flatnonzero(~c.ok_row):
+            bad_rows.append(f"row {r0 + r}: scale {sr[r]!r} (amax {c.amax[r]!r}, max |code| "
+                            f"{np.abs(qr[r]).max()!r}), admissible amax "
+                            f"[{c.amax_lo[r]!r}, {c.amax_hi[r]!r}]")
+        for r, col in zip(*np.nonzero(~c.ok_code & c.ok_row[:, None])):
+            bad_codes.append(f"[{r0 + r}, {col}] gate {g[r0 + r, col]!r} up {u[r0 + r, col]!r}: "
+                             f"code {qr[r, col]!r}, admissible [{c.code_lo[r, col]!r}, "
+                             f"{c.code_hi[r, col]!r}] (h in [{h_lo[r, col]!r}, {h_hi[r, col]!r}])")
     if not bad_rows and not bad_codes:
         return None
     parts = []
@@ -244,6 +261,128 @@ def geglu_quantization_problem(gate, up, q, scale, *, tanh_error: float = GEGLU_
         parts.append(f"{len(bad_codes)} of {qv.size} codes outside their interval: "
                      + "; ".join(bad_codes[:max_listed]))
     return " | ".join(parts)
+
+
+# ---- add_rms_norm_quantize's interval oracle -------------------------------------------------
+#
+# What any correct implementation of add_rms_norm_quantize (jax_mila/reference/quantize.py)
+# may return, derived per element in float64 from the exact function. An implementation is
+# admitted when each rms_norm(v, w, eps) of a bf16 row v of K values is evaluated in float32 as
+#   t = sum(v^2) / K + f32(eps)   the squares exact (bf16 values), summed in ANY order (a tree
+#                                 of any shape: relative error <= gamma_(K-1) =
+#                                 (K-1) u / (1 - (K-1) u)), the mean a division or a multiply by
+#                                 f32(1/K), eps one addition;
+#   r = t^-0.5                    within NORM_RSQRT_ULPS ulp (rsqrtf, rsqrt.approx, pow, 1/sqrt);
+#   y = bf16((v * r) * w)         two float32 roundings in any order (a spare third is allowed),
+#                                 then exactly one rounding to nearest even bf16;
+# and then exactly: n = that norm of the branch, h = bf16(x + n) (round to nearest even; x + n
+# of two bf16 values), the norm of h (h as the implementation returned it: the codes depend on
+# the h it computed) and the row quantization of quantize_activations (see the GEGLU oracle
+# above: inv = 448 / amax within 3 ulp, e4m3 directly or through float16).
+# Every element then has an interval of admissible n, h and normed values, every row one of
+# admissible amax. The sum-order bound is rigorous whatever the reduction, and wide only where
+# it must be (about 2^-13 of r at K = 3840, so some 7% of normed elements have two admissible
+# bf16 values and a few per thousand codes two admissible e4m3 values); the oracle still pins
+# what a wrong eps moves (the scale, on rows with mean square near eps), a weight applied as
+# (1 + w), any missing bf16 rounding and a scale one ulp off (tests/test_quantize.py).
+# Inputs are expected finite, with products outside float32's subnormal range.
+NORM_RSQRT_ULPS = 4
+
+
+def rms_norm_interval(v, weight, eps, *, rsqrt_ulps: float = NORM_RSQRT_ULPS):
+    """(lo, hi) float64 arrays of bf16 values: what an admitted float32 rms_norm(v, weight, eps)
+    (jax_mila.nn.norm, rounded to bf16) may return for rows v [..., K] of bf16 values."""
+    v = np.asarray(v, np.float32).astype(np.float64)
+    w = np.asarray(weight, np.float32).astype(np.float64)
+    k = v.shape[-1]
+    r = (np.mean(v * v, axis=-1, keepdims=True) + float(np.float32(eps))) ** -0.5
+    g = (k - 1) * _U32
+    t_err = (1 + g / (1 - g)) * (1 + _U32) ** 3 - 1
+    r_lo = r * (1 + t_err) ** -0.5 * (1 - rsqrt_ulps * 2.0**-23)
+    r_hi = r * (1 - t_err) ** -0.5 * (1 + rsqrt_ulps * 2.0**-23)
+    p = v * w  # exact: 8 x 24 significant bits
+    ends = (p * r_lo * (1 - 4 * _U32), p * r_hi * (1 + 4 * _U32))
+    # 2^-148: float32 roundings in the subnormal range are absolute, not relative.
+    lo = np.minimum(*ends) - 2.0**-148
+    hi = np.maximum(*ends) + 2.0**-148
+    return _bf16(lo, -1), _bf16(hi, +1)
+
+
+def add_rms_norm_h_interval(x, branch, branch_weight, eps, *,
+                            rsqrt_ulps: float = NORM_RSQRT_ULPS):
+    """(lo, hi) float64 arrays: the bf16 values h = bf16(x + bf16(rms_norm(branch,
+    branch_weight, eps))) may take in an admitted implementation; lo <= hi elementwise."""
+    n_lo, n_hi = rms_norm_interval(branch, branch_weight, eps, rsqrt_ulps=rsqrt_ulps)
+    xv = np.asarray(x, np.float32).astype(np.float64)
+    # x + n is exact in float64 and monotone in n.
+    return _bf16(xv + n_lo, -1), _bf16(xv + n_hi, +1)
+
+
+def add_rms_norm_quantization_problem(x, branch, result, *, branch_weight=None, norm_weight,
+                                      eps, rsqrt_ulps: float = NORM_RSQRT_ULPS,
+                                      max_listed: int = 3) -> str | None:
+    """Why ``result`` is not what an admitted implementation of
+    add_rms_norm_quantize(x, branch, branch_weight=, norm_weight=, eps=) could return (the
+    interval oracle above), or None. x, branch: bf16 [..., K] (branch None: the op without a
+    branch); result: (h, q, scale) with a branch, else (q, scale). Every element and every row
+    must pass: there is no count of allowed exceptions."""
+    k = np.shape(x)[-1]
+    xv = np.asarray(x, np.float32).reshape(-1, k)
+    if branch is None:
+        q, scale = result
+        h = None
+    else:
+        h, q, scale = result
+        if np.shape(h) != np.shape(x) or np.dtype(h.dtype) != np.dtype(jnp.bfloat16):
+            return f"h: {np.dtype(h.dtype).name}{list(np.shape(h))} for x {list(np.shape(x))}"
+        bv = np.asarray(branch, np.float32).reshape(-1, k)
+        hv = np.asarray(h, np.float32).reshape(-1, k)
+        if not np.all(np.isfinite(hv)):
+            return "NaN/inf in h"
+    qv = np.asarray(q, np.float32).reshape(-1, k).astype(np.float64)
+    s = np.asarray(scale, np.float32).reshape(-1)
+    if qv.shape != xv.shape or s.size != xv.shape[0]:
+        return f"shapes: q {np.shape(q)}, scale {np.shape(scale)} for x {np.shape(x)}"
+    if not np.all(np.isfinite(qv)) or not np.all(np.isfinite(s)):
+        return "NaN/inf in the result"
+    bad_h, bad_rows, bad_codes = [], [], []
+    step = max(1, (1 << 21) // k)  # rows per block: bounded memory for large inputs
+    for r0 in range(0, xv.shape[0], step):
+        rows = slice(r0, r0 + step)
+        if branch is None:
+            v = xv[rows]
+        else:
+            h_lo, h_hi = add_rms_norm_h_interval(xv[rows], bv[rows], branch_weight, eps,
+                                                 rsqrt_ulps=rsqrt_ulps)
+            v = hv[rows]
+            for r, col in zip(*np.nonzero((v < h_lo) | (v > h_hi))):
+                bad_h.append(f"[{r0 + r}, {col}] x {xv[r0 + r, col]!r} branch "
+                             f"{bv[r0 + r, col]!r}: h {v[r, col]!r}, admissible "
+                             f"[{h_lo[r, col]!r}, {h_hi[r, col]!r}]")
+        # The codes are those of the norm of the h the implementation returned.
+        y_lo, y_hi = rms_norm_interval(v, norm_weight, eps, rsqrt_ulps=rsqrt_ulps)
+        qr, sr = qv[rows], s[rows]
+        c = _quantized_rows_check(y_lo, y_hi, qr, sr)
+        for r in np.flatnonzero(~c.ok_row):
+            bad_rows.append(f"row {r0 + r}: scale {sr[r]!r} (amax {c.amax[r]!r}, max |code| "
+                            f"{np.abs(qr[r]).max()!r}), admissible amax "
+                            f"[{c.amax_lo[r]!r}, {c.amax_hi[r]!r}]")
+        what = "x" if branch is None else "h"
+        for r, col in zip(*np.nonzero(~c.ok_code & c.ok_row[:, None])):
+            bad_codes.append(f"[{r0 + r}, {col}] {what} {v[r, col]!r}: code {qr[r, col]!r}, "
+                             f"admissible [{c.code_lo[r, col]!r}, {c.code_hi[r, col]!r}] "
+                             f"(normed value in [{y_lo[r, col]!r}, {y_hi[r, col]!r}])")
+    parts = []
+    if bad_h:
+        parts.append(f"{len(bad_h)} of {xv.size} elements of h outside their interval: "
+                     + "; ".join(bad_h[:max_listed]))
+    if bad_rows:
+        parts.append(f"{len(bad_rows)} of {s.size} rows have an inadmissible scale: "
+                     + "; ".join(bad_rows[:max_listed]))
+    if bad_codes:
+        parts.append(f"{len(bad_codes)} of {qv.size} codes outside their interval: "
+                     + "; ".join(bad_codes[:max_listed]))
+    return " | ".join(parts) if parts else None
 
 
 def max_abs_err(a, b) -> float:

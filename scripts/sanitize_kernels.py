@@ -67,6 +67,39 @@ def check_quantize():
         problem = testing.geglu_quantization_problem(gate, up, *got)
         assert problem is None, (shape, problem)
         yield f"quantize_geglu {shape}"
+    # The fused norms, with and without a branch: each launch configuration (1 chunk per thread
+    # up to K = 4096, 2 up to 8192, the uncached kernel beyond), more rows than the grid (the
+    # blocks stride over rows, weights and the next row's loads held across rows), zero rows;
+    # held against jax_mila.testing.add_rms_norm_quantization_problem. Only the kernel: the
+    # reference under jit is the unfused layers' expression as XLA computes it, which may keep h
+    # in float32 for the second norm (jax_mila/reference/quantize.py) where the oracle wants it
+    # rounded.
+    st = ffi.status("add_rms_norm_quantize")
+    if not (testing.has_cuda() and st.kernel):
+        yield f"add_rms_norm_quantize: skipped, no kernel here ({st.reason})"
+        return
+    for shape in ((1, 16), (3, 5, 48), (97, 2816), (33, 3840), (9, 4112), (9, 5376), (3, 8192),
+                  (3, 9008), (3000, 128)):
+        k = shape[-1]
+        rows = int(np.prod(shape[:-1]))
+        x = _bf16(shape, 3.0).reshape(-1, k).at[0].set(0).reshape(shape)
+        # Branch rows of RMS 1e-4 .. 30 (where eps matters, up to dominating x); a zero row.
+        rms = np.exp(RNG.uniform(np.log(1e-4), np.log(30.0), (rows, 1))).astype(np.float32)
+        branch = (_bf16((rows, k)).astype(jnp.float32) * rms).astype(jnp.bfloat16)
+        branch = branch.at[-1].set(0).reshape(shape)
+        wb = jnp.asarray(RNG.uniform(-1, 3, k).astype(np.float32)).astype(jnp.bfloat16)
+        wn = jnp.asarray(RNG.uniform(-1, 3, k).astype(np.float32))
+        kw = dict(branch_weight=wb, norm_weight=wn, eps=1e-6)
+        got = testing.call_with_poisoned_outputs(
+            lambda x, b, wb, wn: ffi.add_rms_norm_quantize(x, b, branch_weight=wb, norm_weight=wn,
+                                                           eps=1e-6), x, branch, wb, wn)
+        problem = testing.add_rms_norm_quantization_problem(x, branch, got, **kw)
+        assert problem is None, (shape, problem)
+        got = testing.call_with_poisoned_outputs(
+            lambda x, wn: ffi.add_rms_norm_quantize(x, norm_weight=wn, eps=1e-6), x, wn)
+        problem = testing.add_rms_norm_quantization_problem(x, None, got, **kw)
+        assert problem is None, (shape, "no branch", problem)
+        yield f"add_rms_norm_quantize {shape}"
 
 
 # (B, T, S, Hq, Hkv, causal, window, q_offset, kv_offset): odd sizes, GQA, a window, masked rows.
@@ -147,9 +180,9 @@ PREFILL_RUN = dict(chunk_size=256, max_cache_len=1024)
 
 
 def _prefill_model(seed, backend):
-    """The 4-layer model with W4A8 linears: it runs every kernel family (quantizer, GEMM, both
-    attention geometries); dense linears would add only XLA's GEMMs and, under the sanitizer,
-    minutes of compiling (tests/test_parallel_chunked.py runs them on two GPUs)."""
+    """The 4-layer model with W4A8 linears: it runs every kernel family (quantizer, fused norms,
+    GEMM, both attention geometries); dense linears would add only XLA's GEMMs and, under the
+    sanitizer, minutes of compiling (tests/test_parallel_chunked.py runs them on two GPUs)."""
     from flax import nnx
 
     from jax_mila import gemma4

@@ -57,11 +57,13 @@ class ModelFallbackLoggingTest(parameterized.TestCase):
         # The embedded config's two head dims have no attention kernel: one line each, though
         # there are 4 + 2 layers of them and three traces; the W4A8 ops fall back because
         # there is no GPU here, one line per op (quantize_geglu: the bf16 MLPs quantize
-        # down_proj's input in one op).
+        # down_proj's input in one op; add_rms_norm_quantize: the layers' norms before q/k/v
+        # and gate/up).
         self.assertLen(_fallback_lines(lines, "flash_attention"), 2, msg)
         self.assertTrue(any("head_dim=32" in line for line in lines), msg)
         self.assertTrue(any("head_dim=64" in line for line in lines), msg)
-        for op in ("quantize_activations", "quantize_geglu", "w4a8_matmul"):
+        for op in ("quantize_activations", "quantize_geglu", "add_rms_norm_quantize",
+                   "w4a8_matmul"):
             self.assertLen(_fallback_lines(lines, op), 1, msg)
             self.assertIn("no CUDA device", _fallback_lines(lines, op)[0], msg)
         # Logged at INFO on a machine without GPUs (WARNING where kernels were expected).

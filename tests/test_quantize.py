@@ -1,6 +1,8 @@
 """Activation quantizer: reference properties and validation (CPU), kernel parity (GPU); the
-same for quantize_geglu, the quantizer of gelu_tanh(gate) * up, against a numpy oracle."""
+same for quantize_geglu, the quantizer of gelu_tanh(gate) * up, and for add_rms_norm_quantize,
+the quantizer of a decoder layer's RMS norms, each against a numpy interval oracle."""
 
+import functools
 import os
 import re
 import subprocess
@@ -16,6 +18,7 @@ from absl.testing import absltest, parameterized
 
 from jax_mila import ffi, reference, testing
 from jax_mila.gemma4.mlp import gelu_tanh
+from jax_mila.nn.norm import rms_norm
 
 E4M3_MAX = 448.0
 
@@ -490,6 +493,432 @@ class GegluKernelTest(parameterized.TestCase):
                                  jax.ShapeDtypeStruct(gate.shape[:-1], jnp.float32)))
         with self.assertRaisesRegex(Exception, "INVALID_ARGUMENT.*quantize_geglu.*" + pattern):
             jax.block_until_ready(jax.jit(call)(gate, up))
+
+
+# ---- add_rms_norm_quantize -------------------------------------------------------------------
+
+# Held against jax_mila.testing's interval oracle like quantize_geglu: per element, the h and the
+# codes any admitted implementation (the sum of squares in any order, r within a few ulp, the
+# bf16 roundings of the definition) could produce; per row, the scales.
+
+EPS = 1e-6  # Gemma 4's rms_norm_eps
+
+
+def norm_inputs(shape, *, x_scale=3.0, weight_dtype=jnp.bfloat16, seed=None):
+    """x, branch, branch_weight, norm_weight for add_rms_norm_quantize. The branch's rows have
+    RMS from 1e-4 to 30 (log-uniform): rows whose mean square is below eps (1e-6), where a
+    wrong eps shows, up to rows that dominate x; the weights are far from 1 and of both signs."""
+    seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
+    rng = np.random.default_rng(seed)
+    k = shape[-1]
+    rows = int(np.prod(shape[:-1]))
+    row_rms = np.exp(rng.uniform(np.log(1e-4), np.log(30.0), (rows, 1)))
+    bf16 = lambda a: jnp.asarray(np.asarray(a, np.float32)).astype(jnp.bfloat16)  # noqa: E731
+    x = bf16(rng.standard_normal(shape) * x_scale)
+    branch = bf16((rng.standard_normal((rows, k)) * row_rms).reshape(shape))
+    wb = jnp.asarray(rng.uniform(-1.0, 3.0, k).astype(np.float32)).astype(weight_dtype)
+    wn = jnp.asarray(rng.uniform(-1.0, 3.0, k).astype(np.float32)).astype(weight_dtype)
+    return x, branch, wb, wn
+
+
+def norm_problem(x, branch, got, wb, wn, eps=EPS, **kwargs):
+    return testing.add_rms_norm_quantization_problem(x, branch, got, branch_weight=wb,
+                                                     norm_weight=wn, eps=eps, **kwargs)
+
+
+def assert_norm_admissible(testcase, x, branch, got, wb, wn, what="result", eps=EPS):
+    problem = norm_problem(x, branch, got, wb, wn, eps)
+    testcase.assertIsNone(problem, f"{what}: {problem}")
+
+
+def unfused_norms(x, branch, wb, wn, eps=EPS):
+    """What the decoder layer computes without the op (jax_mila/gemma4/model.py): rms_norm and
+    the bf16 add, then nn.Linear's quantizer of the normed bf16 rows."""
+    if branch is None:
+        return reference.quantize_activations(rms_norm(x, wn, eps))
+    h = x + rms_norm(branch, wb, eps)
+    return (h,) + reference.quantize_activations(rms_norm(h, wn, eps))
+
+
+def _wrong_norms(x, branch, wb, wn, how, eps=EPS):
+    """add_rms_norm_quantize with one mistake, in float32 jnp."""
+    f32 = jnp.float32
+    bf16 = lambda v: v.astype(jnp.bfloat16).astype(f32)  # noqa: E731 - convert pairs stay on CPU
+
+    def norm(v, w, which):
+        e = {"eps_times_10": 10 * eps, "no_eps": 0.0}.get(how, eps)
+        y = v * jnp.power(jnp.mean(v * v, axis=-1, keepdims=True) + e, -0.5)
+        w = w.astype(f32)
+        return y * (1 + w if how == f"one_plus_w_{which}" else w)
+
+    if branch is None:
+        h = x.astype(f32)
+    else:
+        n = norm(branch.astype(f32), wb, "branch")
+        h_exact = x.astype(f32) + (n if how == "no_rounding_of_n" else bf16(n))
+        h = h_exact if how == "no_rounding_of_h" else bf16(h_exact)
+    y = norm(h, wn, "norm")
+    q, s = reference.quantize_activations(y if how == "no_rounding_of_y" else bf16(y))
+    if branch is None:
+        return q, s
+    return bf16(h_exact).astype(jnp.bfloat16), q, s
+
+
+class NormOracleTest(parameterized.TestCase):
+    """The oracle itself: the rsqrt bound holds for the backend's, the correct definition passes
+    it, and it rejects wrong implementations."""
+
+    def test_backend_rsqrt_is_within_the_bound(self):
+        # rms_norm's jnp.power(t, -0.5) under jit (XLA may make it an rsqrt), and lax.rsqrt, on
+        # every 61st float32 in [2^-20, 2^20).
+        lo, hi = np.float32(2.0**-20).view(np.int32), np.float32(2.0**20).view(np.int32)
+        t = np.arange(lo, hi, 61, dtype=np.int32).view(np.float32)
+        exact = 1 / np.sqrt(t.astype(np.float64))
+        ulp = np.spacing(exact.astype(np.float32)).astype(np.float64)
+        for name, fn in (("pow", lambda v: jnp.power(v, -0.5)), ("rsqrt", jax.lax.rsqrt)):
+            r = np.asarray(jax.jit(fn)(jnp.asarray(t)), np.float64)
+            err = np.abs(r - exact) / ulp
+            i = int(np.argmax(err))
+            self.assertLessEqual(err[i], testing.NORM_RSQRT_ULPS,
+                                 f"{name}({t[i]!r}) is {err[i]:.2f} ulp off")
+
+    @parameterized.named_parameters(("branch", True), ("no_branch", False))
+    def test_admits_the_definition_with_float64_sums(self, with_branch):
+        # The definition with the sums of squares exact (float64), then float32 as specified:
+        # another order than XLA's, which the oracle must admit.
+        x, branch, wb, wn = norm_inputs((33, 3840))
+        branch = branch if with_branch else None
+
+        def norm(v, w):
+            v64 = np.asarray(v, np.float64)
+            t = np.float32(np.float32((v64 * v64).sum(-1, keepdims=True)) / np.float32(v.shape[-1]))
+            r = np.float32(1 / np.sqrt(np.float64(t + np.float32(EPS))))
+            y = (np.asarray(v, np.float32) * r) * np.asarray(w, np.float32)
+            return y.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+        if with_branch:
+            h = (np.asarray(x, np.float32) + norm(branch, wb)).astype(ml_dtypes.bfloat16)
+            q, s = reference.quantize_activations(jnp.asarray(norm(h, wn)))
+            got = (jnp.asarray(h), q, s)
+        else:
+            got = reference.quantize_activations(jnp.asarray(norm(x, wn)))
+        assert_norm_admissible(self, x, branch, got, wb, wn)
+
+    @parameterized.parameters(
+        *[(how, True) for how in ("eps_times_10", "no_eps", "one_plus_w_branch",
+                                  "one_plus_w_norm", "no_rounding_of_n", "no_rounding_of_h",
+                                  "no_rounding_of_y")],
+        *[(how, False) for how in ("eps_times_10", "no_eps", "one_plus_w_norm",
+                                   "no_rounding_of_y")])
+    def test_rejects_a_wrong_implementation(self, how, with_branch):
+        x, branch, wb, wn = norm_inputs((97, 2816))
+        if not with_branch:
+            x, branch = branch, None  # rows of every RMS, as the norm's input
+        self.assertIsNone(norm_problem(x, branch, _wrong_norms(x, branch, wb, wn, "none"),
+                                       wb, wn))
+        self.assertIsNotNone(norm_problem(x, branch, _wrong_norms(x, branch, wb, wn, how), wb, wn),
+                             how)
+
+    def _one_admissible(self, x, branch, wb, wn):
+        h, q, s = reference.add_rms_norm_quantize(x, branch, branch_weight=wb, norm_weight=wn,
+                                                  eps=EPS)
+        y_lo, y_hi = testing.rms_norm_interval(h, wn, EPS)
+        qf = np.asarray(q, np.float32)
+        xs = y_lo / (np.asarray(s, np.float64)[:, None])
+        central = np.abs(xs / np.where(qf == 0, 1, qf) - 1) < 2.0**-6
+        r, c = np.argwhere((np.abs(qf) > 1) & (np.abs(qf) < 200) & (y_lo == y_hi) & central)[0]
+        return (h, q, s), r, c
+
+    def test_rejects_one_code_one_step_off(self):
+        x, branch, wb, wn = norm_inputs((7, 256))
+        (h, q, s), r, c = self._one_admissible(x, branch, wb, wn)
+        for direction in (-1, 1):
+            bits = np.asarray(q).view(np.uint8).astype(np.int32)
+            bits[r, c] += direction      # the next e4m3 magnitude down or up (same sign)
+            wrong = jnp.asarray(bits.astype(np.uint8).view(ml_dtypes.float8_e4m3fn))
+            problem = norm_problem(x, branch, (h, wrong, s), wb, wn)
+            self.assertIsNotNone(problem)
+            self.assertIn(f"[{r}, {c}]", problem)
+
+    def test_rejects_h_one_ulp_off(self):
+        x, branch, wb, wn = norm_inputs((7, 256))
+        (h, q, s), _, _ = self._one_admissible(x, branch, wb, wn)
+        h_lo, h_hi = testing.add_rms_norm_h_interval(x, branch, wb, EPS)
+        r, c = np.argwhere((h_lo == h_hi) & (np.abs(h_lo) > 1e-3))[0]
+        for direction in (-1, 1):
+            bits = np.asarray(h).view(np.uint16).astype(np.int32)
+            bits[r, c] += direction      # the next bf16 magnitude down or up (same sign)
+            wrong = jnp.asarray(bits.astype(np.uint16).view(ml_dtypes.bfloat16))
+            problem = norm_problem(x, branch, (wrong, q, s),
+                                   wb, wn)
+            self.assertIsNotNone(problem)
+            self.assertRegex(problem, rf"elements of h outside their interval: \[{r}, {c}\]")
+
+    @parameterized.named_parameters(("branch", True), ("no_branch", False))
+    def test_rejects_a_scale_one_ulp_off(self, with_branch):
+        x, branch, wb, wn = norm_inputs((7, 256))
+        branch = branch if with_branch else None
+        got = list(reference.add_rms_norm_quantize(x, branch, branch_weight=wb if with_branch
+                                                   else None, norm_weight=wn, eps=EPS))
+        s = np.asarray(got[-1]).copy()
+        s[3] = np.nextafter(s[3], np.float32(np.inf))
+        got[-1] = s
+        problem = norm_problem(x, branch, tuple(got), wb, wn)
+        self.assertIsNotNone(problem)
+        self.assertIn("row 3", problem)
+
+
+class NormReferenceTest(parameterized.TestCase):
+    @parameterized.named_parameters(
+        dict(testcase_name="one_row", shape=(1, 16)),
+        dict(testcase_name="odd_rows", shape=(97, 2816)),
+        dict(testcase_name="gemma_12b", shape=(33, 3840)),
+        dict(testcase_name="leading_dims", shape=(3, 5, 48)),
+        dict(testcase_name="f32_weights", shape=(17, 1536), weight_dtype=jnp.float32),
+    )
+    def test_matches_oracle(self, shape, weight_dtype=jnp.bfloat16):
+        x, branch, wb, wn = norm_inputs(shape, weight_dtype=weight_dtype)
+        got = reference.add_rms_norm_quantize(x, branch, branch_weight=wb, norm_weight=wn,
+                                              eps=EPS)
+        assert_norm_admissible(self, x, branch, got, wb, wn)
+        got = reference.add_rms_norm_quantize(branch, norm_weight=wn, eps=EPS)
+        assert_norm_admissible(self, branch, None, got, wb, wn, "no branch")
+
+    def test_under_jit(self):
+        # Under jit XLA may compute the second norm from h before its bf16 rounding (on the CPU
+        # it does), for the reference as for the unfused layers it is (bit for bit, below): the
+        # returned h and the op without a branch stay admissible, and the codes are those of
+        # the definition or of that float32 h.
+        x, branch, wb, wn = norm_inputs((97, 2816))
+        fn = jax.jit(functools.partial(reference.add_rms_norm_quantize, eps=EPS))
+        assert_norm_admissible(self, branch, None, fn(branch, norm_weight=wn), wb, wn)
+        h, q, s = fn(x, branch, branch_weight=wb, norm_weight=wn)
+        h_lo, h_hi = testing.add_rms_norm_h_interval(x, branch, wb, EPS)
+        hv = np.asarray(h, np.float32)
+        self.assertTrue(np.all((hv >= h_lo) & (hv <= h_hi)))
+        eager = reference.add_rms_norm_quantize(x, branch, branch_weight=wb, norm_weight=wn,
+                                                eps=EPS)
+        excess = _wrong_norms(x, branch, wb, wn, "no_rounding_of_h")
+        for got, a, b in zip((q, s), eager[1:], excess[1:]):
+            got, a, b = (np.asarray(v, np.float32) for v in (got, a, b))
+            self.assertTrue(np.array_equal(got, a) or np.array_equal(got, b))
+
+    @parameterized.named_parameters(("eager", False), ("jit", True))
+    def test_is_the_models_unfused_expression_bit_for_bit(self, jit):
+        # On this backend's XLA the reference is the layers' rms_norm, bf16 add and quantizer.
+        for weight_dtype in (jnp.bfloat16, jnp.float32):
+            x, branch, wb, wn = norm_inputs((2, 13, 256), weight_dtype=weight_dtype)
+            fused = functools.partial(reference.add_rms_norm_quantize, eps=EPS)
+            unfused = unfused_norms
+            if jit:
+                fused, unfused = jax.jit(fused), jax.jit(unfused)
+            for want, got in ((unfused(x, branch, wb, wn), fused(x, branch, branch_weight=wb,
+                                                                 norm_weight=wn)),
+                              (unfused(x, None, None, wn), fused(x, norm_weight=wn))):
+                self.assertEqual(len(want), len(got))
+                for a, b in zip(want, got):
+                    self.assertEqual(a.dtype, b.dtype)
+                    np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                                  np.asarray(b, np.float32))
+
+    def test_zero_and_tiny_rows(self):
+        x, branch, wb, wn = norm_inputs((5, 64))
+        x = x.at[1].set(0).at[2].set(0)
+        branch = branch.at[1].set(0).at[3].set(0)
+        h, q, s = reference.add_rms_norm_quantize(x, branch, branch_weight=wb, norm_weight=wn,
+                                                  eps=EPS)
+        self.assertEqual(float(s[1]), 1.0)           # x and branch zero: h = 0, a zero row
+        np.testing.assert_array_equal(np.asarray(q, np.float32)[1], 0.0)
+        np.testing.assert_array_equal(np.asarray(h, np.float32)[3], np.asarray(x, np.float32)[3])
+        assert_norm_admissible(self, x, branch, (h, q, s), wb, wn)
+
+    def test_large_magnitudes(self):
+        x, branch, wb, wn = norm_inputs((8, 512), x_scale=1e15)  # squares summed near 1e33
+        got = reference.add_rms_norm_quantize(x, branch * 1e10, branch_weight=wb,
+                                              norm_weight=wn, eps=EPS)
+        self.assertTrue(np.all(np.isfinite(np.asarray(got[1], np.float32))))
+        assert_norm_admissible(self, x, branch * 1e10, got, wb, wn)
+
+    def test_dtypes_and_shapes(self):
+        x, branch, wb, wn = norm_inputs((2, 3, 48))
+        h, q, s = ffi.add_rms_norm_quantize(x, branch, branch_weight=wb, norm_weight=wn, eps=EPS)
+        self.assertEqual((h.dtype, q.dtype, s.dtype),
+                         (jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32))
+        self.assertEqual((h.shape, q.shape, s.shape), ((2, 3, 48), (2, 3, 48), (2, 3)))
+        q, s = ffi.add_rms_norm_quantize(x, norm_weight=wn, eps=EPS)
+        self.assertEqual((q.shape, s.shape), ((2, 3, 48), (2, 3)))
+
+    def test_wrapper_under_jit(self):
+        # The kernel where it runs (the definition: the oracle), else the reference, which under
+        # jit is the unfused layers' expression as XLA computes it (see test_under_jit).
+        x, branch, wb, wn = norm_inputs((5, 32))
+        fn = jax.jit(functools.partial(ffi.add_rms_norm_quantize, eps=EPS))
+        assert_norm_admissible(self, x, None, fn(x, norm_weight=wn), wb, wn)
+        got = fn(x, branch, branch_weight=wb, norm_weight=wn)
+        if testing.has_cuda() and ffi.status("add_rms_norm_quantize").kernel:
+            assert_norm_admissible(self, x, branch, got, wb, wn)
+        else:
+            want = jax.jit(functools.partial(reference.add_rms_norm_quantize, eps=EPS))(
+                x, branch, branch_weight=wb, norm_weight=wn)
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+class NormValidationTest(parameterized.TestCase):
+    BF16, F32 = jnp.bfloat16, jnp.float32
+
+    @parameterized.named_parameters(
+        dict(testcase_name="x_float32", x=((4, 32), F32), pattern="x: dtype float32 is not "
+             "supported.*bfloat16"),
+        dict(testcase_name="rank1", x=((32,), BF16), wn=((32,), BF16),
+             pattern="x: expected rank >= 2"),
+        dict(testcase_name="k_not_multiple_of_16", x=((4, 24), BF16), wn=((24,), BF16),
+             pattern=r"x: K=24 .*multiple of 16"),
+        dict(testcase_name="empty", x=((0, 32), BF16), pattern="x: empty arrays are not supported"),
+        dict(testcase_name="branch_float16", branch=((4, 32), jnp.float16), wb=((32,), BF16),
+             pattern="branch: dtype float16 is not supported.*bfloat16"),
+        dict(testcase_name="branch_shape", branch=((4, 48), BF16), wb=((32,), BF16),
+             pattern=r"branch: shape \[4, 48\] must equal x's shape \[4, 32\]"),
+        dict(testcase_name="branch_without_weight", branch=((4, 32), BF16),
+             pattern="branch_weight: required with a branch"),
+        dict(testcase_name="weight_without_branch", wb=((32,), BF16),
+             pattern="branch_weight: given without a branch"),
+        dict(testcase_name="norm_weight_shape", wn=((1, 32), BF16),
+             pattern=r"norm_weight: shape \[1, 32\] must be \[32\]"),
+        dict(testcase_name="branch_weight_shape", branch=((4, 32), BF16), wb=((48,), F32),
+             pattern=r"branch_weight: shape \[48\] must be \[32\]"),
+        dict(testcase_name="norm_weight_float16", wn=((32,), jnp.float16),
+             pattern="norm_weight: dtype float16 is not supported.*bfloat16, float32"),
+        dict(testcase_name="eps_zero", eps=0.0, pattern="eps: 0.0 is not supported.*> 0"),
+        dict(testcase_name="eps_nan", eps=float("nan"), pattern="eps: nan is not supported"),
+        dict(testcase_name="eps_array", eps=np.ones(3), pattern="eps: must be a static Python "
+             "number.*ndarray"),
+    )
+    def test_bad_input_raises_at_trace_time(self, pattern, x=((4, 32), BF16), branch=None,
+                                            wb=None, wn=((32,), BF16), eps=EPS):
+        sds = lambda a: None if a is None else jax.ShapeDtypeStruct(*a)  # noqa: E731
+        with self.assertRaisesRegex(ValueError, "jax_mila.add_rms_norm_quantize: " + pattern):
+            jax.eval_shape(lambda x, b, wb, wn: ffi.add_rms_norm_quantize(
+                x, b, branch_weight=wb, norm_weight=wn, eps=eps),
+                sds(x), sds(branch), sds(wb), sds(wn))
+
+    def test_traced_eps_is_refused(self):
+        x, _, _, wn = norm_inputs((4, 32))
+        with self.assertRaisesRegex(ValueError, "eps: must be a static Python number"):
+            jax.jit(lambda e: ffi.add_rms_norm_quantize(x, norm_weight=wn, eps=e))(1e-6)
+
+
+class NormKernelTest(parameterized.TestCase):
+    def setUp(self):
+        super().setUp()
+        testing.skip_unless_kernel(self, "add_rms_norm_quantize")
+
+    def check(self, x, branch, wb, wn, what="kernel", eps=EPS):
+        fn = functools.partial(ffi.add_rms_norm_quantize, eps=eps)
+        got = testing.call_with_poisoned_outputs(
+            lambda x, b, wb, wn: fn(x, b, branch_weight=wb, norm_weight=wn), x, branch, wb, wn)
+        assert_norm_admissible(self, x, branch, got, wb, wn, what, eps)
+        got = testing.call_with_poisoned_outputs(lambda x, wn: fn(x, norm_weight=wn), x, wn)
+        assert_norm_admissible(self, x, None, got, wb, wn, f"{what}, no branch", eps)
+
+    @parameterized.named_parameters(
+        dict(testcase_name="one_row", shape=(1, 16)),
+        dict(testcase_name="leading_dims", shape=(3, 5, 48)),
+        dict(testcase_name="odd_rows", shape=(97, 2816)),        # 352 chunks: 352 threads x 1
+        dict(testcase_name="e2b", shape=(301, 1536)),
+        dict(testcase_name="gemma_12b", shape=(1024, 3840)),     # 480 threads x 1 chunk
+        dict(testcase_name="k_4096", shape=(65, 4096)),          # 512 x 1: the largest 1-chunk
+        dict(testcase_name="k_4112", shape=(65, 4112)),          # 288 x 2: the smallest 2-chunk
+        dict(testcase_name="gemma_31b", shape=(257, 5376)),      # 352 threads x 2 chunks
+        dict(testcase_name="k_8192", shape=(33, 8192)),          # 512 x 2: the largest cached
+        dict(testcase_name="longer_than_register_cache", shape=(9, 9008)),
+        dict(testcase_name="many_rows", shape=(20000, 128)),     # rows > grid: blocks stride
+        dict(testcase_name="f32_weights", shape=(97, 2816), weight_dtype=jnp.float32),
+    )
+    def test_matches_oracle_with_poisoned_outputs(self, shape, weight_dtype=jnp.bfloat16):
+        x, branch, wb, wn = norm_inputs(shape, weight_dtype=weight_dtype)
+        if x.size > shape[-1]:   # a zero row of x and branch, one of the branch alone
+            def zero(a, rows):
+                return a.reshape(-1, shape[-1]).at[rows].set(0).reshape(shape)
+            x, branch = zero(x, 0), zero(branch, np.array([0, -1]))
+        self.check(x, branch, wb, wn)
+
+    def test_eps_is_the_attribute(self):
+        x, branch, wb, wn = norm_inputs((97, 256))
+        self.check(x, branch, wb, wn, "eps 1e-5", eps=1e-5)
+
+    def test_large_magnitudes(self):
+        x, branch, wb, wn = norm_inputs((8, 512), x_scale=1e15)
+        self.check(x, branch * 1e10, wb, wn)
+
+    def test_mostly_the_references_bits(self):
+        # Only near-ties of the bf16 roundings may differ (the sum's order, the rsqrt).
+        x, branch, wb, wn = norm_inputs((1024, 3840))
+        got = jax.jit(functools.partial(ffi.add_rms_norm_quantize, eps=EPS))(
+            x, branch, branch_weight=wb, norm_weight=wn)
+        want = reference.add_rms_norm_quantize(x, branch, branch_weight=wb, norm_weight=wn,
+                                               eps=EPS)
+        for name, a, b in zip(("h", "q", "scale"), got, want):
+            same = np.mean(np.asarray(a, np.float32) == np.asarray(b, np.float32))
+            self.assertGreater(same, 0.99, name)
+
+    def test_inside_cuda_graph(self):
+        """In a child process with XLA command buffers (CUDA graphs) forced on for custom calls:
+        the handler's occupancy query (the strided grid) and launch under capture."""
+        script = textwrap.dedent("""
+            import sys, functools
+            sys.path.insert(0, %r)
+            import jax, jax.numpy as jnp
+            from jax_mila import ffi, testing
+            from test_quantize import norm_inputs, EPS
+            x, branch, wb, wn = norm_inputs((4096, 384), seed=3)
+            fn = functools.partial(ffi.add_rms_norm_quantize, eps=EPS)
+            f = jax.jit(lambda x, b: fn(x * 2, b, branch_weight=wb, norm_weight=wn))
+            for _ in range(3):
+                got = f(x, branch)
+            p = testing.add_rms_norm_quantization_problem(x * 2, branch, got, branch_weight=wb,
+                                                          norm_weight=wn, eps=EPS)
+            assert p is None, p
+            print("CHILD OK")
+        """ % os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                            " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
+                            " --xla_gpu_graph_min_graph_size=1")
+        res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, timeout=300)
+        self.assertIn("CHILD OK", res.stdout, res.stderr[-3000:])
+
+    def test_vmap(self):
+        x, branch, wb, wn = norm_inputs((3, 7, 64))
+        fn = functools.partial(ffi.add_rms_norm_quantize, eps=EPS)
+        got = jax.vmap(lambda x, b: fn(x, b, branch_weight=wb, norm_weight=wn))(x, branch)
+        assert_norm_admissible(self, x, branch, got, wb, wn)
+
+    @parameterized.named_parameters(
+        dict(testcase_name="k_not_multiple_of_16", x=(4, 24), w=24, pattern="K=24.*multiple of 16"),
+        dict(testcase_name="branch_shape", x=(4, 32), branch=(4, 48), w=32,
+             pattern=r"branch: shape \[4, 48\] must equal x's shape \[4, 32\]"),
+        dict(testcase_name="weight_shape", x=(4, 32), w=48,
+             pattern=r"norm_weight: shape \[48\] must be \[32\]"),
+        dict(testcase_name="eps", x=(4, 32), w=32, eps=-1.0, pattern="eps: -1.* > 0"),
+    )
+    def test_cpp_rejects_what_python_would(self, x, w, pattern, branch=None, eps=EPS):
+        # Bypass the wrapper's checks: the handler must answer with an error, not crash.
+        x = jnp.zeros(x, jnp.bfloat16)
+        wn = jnp.ones((w,), jnp.float32)
+        out = (jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn),
+               jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32))
+        if branch is None:
+            call = jax.ffi.ffi_call("jax_mila_rms_norm_quantize", out)
+            args = (x, wn)
+        else:
+            call = jax.ffi.ffi_call("jax_mila_add_rms_norm_quantize",
+                                    (jax.ShapeDtypeStruct(x.shape, jnp.bfloat16),) + out)
+            args = (x, jnp.zeros(branch, jnp.bfloat16), wn, wn)
+        with self.assertRaisesRegex(Exception, "INVALID_ARGUMENT.*add_rms_norm_quantize.*"
+                                               + pattern):
+            jax.block_until_ready(jax.jit(lambda *a: call(*a, eps=np.float32(eps)))(*args))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-// FFI handlers of the activation quantizer: quantize_activations (bf16 rows) and
-// quantize_geglu (rows of gelu_tanh(gate) * up). Each validates again what its Python
+// FFI handlers of the activation quantizer: quantize_activations (bf16 rows),
+// quantize_geglu (rows of gelu_tanh(gate) * up) and add_rms_norm_quantize (RMS-normed rows,
+// after a residual add of a normed branch or of x alone). Each validates again what its Python
 // wrapper validated at trace time; every failure is an ffi::Error.
+#include <cmath>
 #include <cstdint>
 
 #include "common/ffi_helpers.h"
@@ -105,6 +107,90 @@ ffi::Error QuantizeGegluImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> gate,
   return CheckLaunch(kOp, err);
 }
 
+// A norm weight: float32 [cols].
+ffi::Error CheckWeight(const char* op, const char* arg, const ffi::Buffer<ffi::F32>& w,
+                       int64_t cols) {
+  const auto dims = w.dimensions();
+  if (dims.size() != 1 || dims[0] != cols) {
+    return InvalidArgument(op, arg, ": shape ", ShapeString(dims), " must be [", cols,
+                           "] (one weight per column of x)");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckEps(const char* op, float eps) {
+  if (!(std::isfinite(eps) && eps > 0.f)) {
+    return InvalidArgument(op, "eps: ", eps, " must be a finite number > 0");
+  }
+  return ffi::Error::Success();
+}
+
+// rms_norm_quantize: (q, scale) of bf16(rms_norm(x, norm_weight)).
+ffi::Error RmsNormQuantizeImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
+                               ffi::Buffer<ffi::F32> norm_weight, ffi::Result<ffi::AnyBuffer> q,
+                               ffi::ResultBuffer<ffi::F32> scale, float eps) {
+  constexpr const char* kOp = "add_rms_norm_quantize";
+  const auto dims = x.dimensions();
+  int64_t rows = 0, cols = 0;
+  if (ffi::Error e = RowsOf(kOp, "x", dims, static_cast<int64_t>(x.element_count()), rows, cols);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = CheckWeight(kOp, "norm_weight", norm_weight, cols); e.failure()) return e;
+  if (ffi::Error e = CheckEps(kOp, eps); e.failure()) return e;
+  if (ffi::Error e = CheckResults(kOp, "x", dims, rows, *q, ScaleCount(scale)); e.failure()) return e;
+  if (!Aligned16(x.untyped_data()) || !Aligned16(norm_weight.untyped_data()) ||
+      !Aligned16(q->untyped_data())) {
+    return InvalidArgument(kOp, "x/norm_weight/q: buffers must be 16-byte aligned");
+  }
+  const cudaError_t err = LaunchAddRmsNormQuantize(
+      reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()), nullptr, nullptr,
+      norm_weight.typed_data(), eps, nullptr, reinterpret_cast<uint8_t*>(q->untyped_data()),
+      scale->typed_data(), rows, cols, stream);
+  return CheckLaunch(kOp, err);
+}
+
+// add_rms_norm_quantize: h = bf16(x + bf16(rms_norm(branch, branch_weight))) and (q, scale) of
+// bf16(rms_norm(h, norm_weight)).
+ffi::Error AddRmsNormQuantizeImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
+                                  ffi::Buffer<ffi::BF16> branch,
+                                  ffi::Buffer<ffi::F32> branch_weight,
+                                  ffi::Buffer<ffi::F32> norm_weight,
+                                  ffi::ResultBuffer<ffi::BF16> h, ffi::Result<ffi::AnyBuffer> q,
+                                  ffi::ResultBuffer<ffi::F32> scale, float eps) {
+  constexpr const char* kOp = "add_rms_norm_quantize";
+  const auto dims = x.dimensions();
+  int64_t rows = 0, cols = 0;
+  if (ffi::Error e = RowsOf(kOp, "x", dims, static_cast<int64_t>(x.element_count()), rows, cols);
+      e.failure()) {
+    return e;
+  }
+  if (!SameDims(branch.dimensions(), dims)) {
+    return InvalidArgument(kOp, "branch: shape ", ShapeString(branch.dimensions()),
+                           " must equal x's shape ", ShapeString(dims));
+  }
+  if (ffi::Error e = CheckWeight(kOp, "branch_weight", branch_weight, cols); e.failure()) return e;
+  if (ffi::Error e = CheckWeight(kOp, "norm_weight", norm_weight, cols); e.failure()) return e;
+  if (ffi::Error e = CheckEps(kOp, eps); e.failure()) return e;
+  if (!SameDims(h->dimensions(), dims)) {
+    return InvalidArgument(kOp, "h: result shape ", ShapeString(h->dimensions()),
+                           " must equal x's shape ", ShapeString(dims));
+  }
+  if (ffi::Error e = CheckResults(kOp, "x", dims, rows, *q, ScaleCount(scale)); e.failure()) return e;
+  if (!Aligned16(x.untyped_data()) || !Aligned16(branch.untyped_data()) ||
+      !Aligned16(branch_weight.untyped_data()) || !Aligned16(norm_weight.untyped_data()) ||
+      !Aligned16(h->untyped_data()) || !Aligned16(q->untyped_data())) {
+    return InvalidArgument(kOp, "x/branch/branch_weight/norm_weight/h/q: buffers must be "
+                                "16-byte aligned");
+  }
+  const cudaError_t err = LaunchAddRmsNormQuantize(
+      reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()),
+      reinterpret_cast<const __nv_bfloat16*>(branch.untyped_data()), branch_weight.typed_data(),
+      norm_weight.typed_data(), eps, reinterpret_cast<__nv_bfloat16*>(h->untyped_data()),
+      reinterpret_cast<uint8_t*>(q->untyped_data()), scale->typed_data(), rows, cols, stream);
+  return CheckLaunch(kOp, err);
+}
+
 }  // namespace
 }  // namespace mila
 
@@ -123,4 +209,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MilaQuantizeGeglu, mila::QuantizeGegluImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // up
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MilaRmsNormQuantize, mila::RmsNormQuantizeImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // x
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // norm_weight
+                                  .Ret<xla::ffi::AnyBuffer>()               // q
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // scale
+                                  .Attr<float>("eps"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MilaAddRmsNormQuantize, mila::AddRmsNormQuantizeImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // x
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // branch
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // branch_weight
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // norm_weight
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // h
+                                  .Ret<xla::ffi::AnyBuffer>()               // q
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // scale
+                                  .Attr<float>("eps"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

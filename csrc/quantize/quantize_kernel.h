@@ -1,6 +1,7 @@
 // Activation quantizer: bf16 [rows, cols] -> e4m3 values and one fp32 scale per row,
-// of bf16 rows (LaunchQuantizeActivations) or of GEGLU rows formed on the fly
-// (LaunchQuantizeGeglu).
+// of bf16 rows (LaunchQuantizeActivations), of GEGLU rows formed on the fly
+// (LaunchQuantizeGeglu) or of RMS-normed rows after an optional residual add
+// (LaunchAddRmsNormQuantize).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -31,5 +32,16 @@ cudaError_t LaunchQuantizeActivations(const __nv_bfloat16* x, uint8_t* q, float*
 // are [rows, cols] with the same requirements as x above.
 cudaError_t LaunchQuantizeGeglu(const __nv_bfloat16* gate, const __nv_bfloat16* up, uint8_t* q,
                                 float* scale, int64_t rows, int64_t cols, cudaStream_t stream);
+
+// The quantization of bf16(rms_norm(h, norm_weight)), rms_norm as jax_mila.nn.norm computes it
+// in float32 ((h * (mean(h^2) + eps)^-0.5) * w, rounded once), where h is x itself (branch ==
+// nullptr; h, branch_weight unused) or h = bf16(x + bf16(rms_norm(branch, branch_weight))),
+// which is also written to `h`. x, branch and h are [rows, cols] bf16, the weights [cols]
+// float32; the same requirements as above (cols % 16 == 0, every pointer 16-byte aligned),
+// eps > 0.
+cudaError_t LaunchAddRmsNormQuantize(const __nv_bfloat16* x, const __nv_bfloat16* branch,
+                                     const float* branch_weight, const float* norm_weight,
+                                     float eps, __nv_bfloat16* h, uint8_t* q, float* scale,
+                                     int64_t rows, int64_t cols, cudaStream_t stream);
 
 }  // namespace mila

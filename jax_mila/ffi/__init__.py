@@ -3,13 +3,14 @@ dispatch to the CUDA kernel on GPU or to the pure-JAX reference elsewhere."""
 
 from jax_mila.ffi._registry import DISABLE_ENV, OPS, OpStatus, available, build_info, status
 from jax_mila.ffi.attention import flash_attention
-from jax_mila.ffi.quantize import quantize_activations, quantize_geglu
+from jax_mila.ffi.quantize import add_rms_norm_quantize, quantize_activations, quantize_geglu
 from jax_mila.ffi.w4a8 import w4a8_matmul
 
 __all__ = [
     "DISABLE_ENV",
     "OPS",
     "OpStatus",
+    "add_rms_norm_quantize",
     "available",
     "build_info",
     "flash_attention",

@@ -47,9 +47,23 @@ class Gemma4Attention(nnx.Module):
         self.o_proj = nn.Linear(q_dim, h, **lin)
         self.attn = nn.Attention(scale=1.0, backend=backend)
 
+    def input_projections(self) -> tuple[nn.Linear, ...]:
+        """The projections of the layer's input x: q_proj, and k_proj / v_proj where the layer
+        has them (KV-shared layers have neither, K=V layers no v_proj)."""
+        if self.is_kv_shared:
+            return (self.q_proj,)
+        return (self.q_proj, self.k_proj) + (() if self.k_eq_v else (self.v_proj,))
+
+    def takes_quantized_input(self) -> bool:
+        """Whether __call__ may be given x already quantized (nn.QuantizedRows, e.g. from
+        add_rms_norm_quantize) and compute what it computes from x: every projection of x W4A8
+        on one backend, no tensor parallelism (nn.shares_quantized_input)."""
+        return nn.shares_quantized_input(*self.input_projections())
+
     def __call__(self, x, cos, sin, *, offset, mode: str, entry=None, shared: KVView | None = None,
                  max_len: int = 0, valid=None):
-        """x [B, T, H] at positions offset + arange(T).
+        """x [B, T, H] at positions offset + arange(T), or its W4A8 quantization
+        (nn.QuantizedRows, where takes_quantized_input()).
 
         mode "full" (no cache), "prefill" (offset 0; builds this layer's cache entry),
         "decode" (T == 1; appends to ``entry``) or "chunk" (a prefill chunk whose first ``valid``
@@ -57,14 +71,14 @@ class Gemma4Attention(nnx.Module):
         b, t, _ = x.shape
         # Head counts from the arrays: under tensor parallelism this device holds a slice of the
         # heads (jax_mila/parallel/tensor.py).
-        q = self.q_proj(x).reshape(b, t, -1, self.head_dim)
+        q = nn.project(self.q_proj, x).reshape(b, t, -1, self.head_dim)
         q = apply_rope(self.q_norm(q), cos, sin)
         new_entry = None
         if self.is_kv_shared:
             k, v, kv_offset = shared
         else:
-            k_raw = self.k_proj(x).reshape(b, t, -1, self.head_dim)
-            v_raw = k_raw if self.k_eq_v else self.v_proj(x).reshape(k_raw.shape)
+            k_raw = nn.project(self.k_proj, x).reshape(b, t, -1, self.head_dim)
+            v_raw = k_raw if self.k_eq_v else nn.project(self.v_proj, x).reshape(k_raw.shape)
             k = apply_rope(self.k_norm(k_raw), cos, sin)
             v = nn.rms_norm(v_raw, None, self.eps)
             kv_offset = jnp.int32(0)

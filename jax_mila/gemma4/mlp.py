@@ -25,6 +25,12 @@ class Gemma4MLP(nnx.Module):
         self.up_proj = nn.Linear(hidden, intermediate, **lin)
         self.down_proj = nn.Linear(intermediate, hidden, **lin)
 
+    def takes_quantized_input(self) -> bool:
+        """Whether __call__ may be given x already quantized (nn.QuantizedRows, e.g. from
+        add_rms_norm_quantize) and compute what it computes from x: gate_proj and up_proj W4A8
+        on one backend, no tensor parallelism (nn.shares_quantized_input)."""
+        return nn.shares_quantized_input(self.gate_proj, self.up_proj)
+
     def fuses_geglu(self) -> bool:
         """Whether __call__ quantizes gelu_tanh(g) * u for down_proj in one op (quantize_geglu)
         instead of forming the product and quantizing it inside down_proj.
@@ -44,11 +50,13 @@ class Gemma4MLP(nnx.Module):
                 and all(jnp.dtype(lin.dtype) == jnp.dtype(jnp.bfloat16) for lin in layers)
                 and tensor_parallel_axis() is None)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x) -> jax.Array:
+        """x [..., hidden], or its W4A8 quantization (nn.QuantizedRows, where
+        takes_quantized_input())."""
+        g, u = nn.project(self.gate_proj, x), nn.project(self.up_proj, x)
         if self.fuses_geglu():
-            g, u = self.gate_proj(x), self.up_proj(x)
             rows = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731 - the op takes rank >= 2
             q, s = quantized_ops(self.down_proj.backend).quantize_geglu(rows(g), rows(u))
             return self.down_proj.matmul_quantized(q, s).reshape(*x.shape[:-1], -1)
         # down_proj is row-parallel under tensor parallelism: its partial sums are all-reduced.
-        return reduce_partial_sums(self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x)))
+        return reduce_partial_sums(self.down_proj(gelu_tanh(g) * u))

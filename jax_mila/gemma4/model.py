@@ -13,6 +13,11 @@ Decoder layer, in HF's order:
     PLE: h = h + post_per_layer_input_norm(per_layer_projection(gelu(per_layer_input_gate(h)) * ple_i))
     h = h * layer_scalar      # trap: scales the WHOLE residual stream; trained, not 1
 Output: final norm, tied head (embed_tokens), then 30 * tanh(logits / 30) softcapping.
+
+Where the projections after a norm are W4A8, the norm and their quantizer run as one op
+(add_rms_norm_quantize; Gemma4DecoderLayer.fuses_input_norm / fuses_pre_feedforward_norm):
+input_layernorm -> q/k/v, and h + post_attention_layernorm(a) -> pre_feedforward_layernorm ->
+gate/up, so the normed activations are never written out.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from jax_mila.gemma4.config import Gemma4Config, LayerSpec
 from jax_mila.gemma4.mlp import Gemma4MLP, gelu_tanh
 from jax_mila.gemma4.moe import Gemma4Experts, Gemma4Router
 from jax_mila.gemma4.rope import rope_tables
+from jax_mila.nn.linear import quantized_ops
 from jax_mila.parallel import chunked as cpc
 from jax_mila.parallel import context as cp
 
@@ -69,10 +75,53 @@ class Gemma4DecoderLayer(nnx.Module):
             self.post_feedforward_layernorm_1 = norm()
             self.post_feedforward_layernorm_2 = norm()
 
+    def fuses_input_norm(self, dtype) -> bool:
+        """Whether input_layernorm(h) and the quantizer of the attention's q/k/v projections run
+        as one op (add_rms_norm_quantize without a branch) for a residual stream of ``dtype``.
+
+        Only where that op computes what the layers compute (its CPU path, the reference, is
+        their expression, so CPU results are unchanged bit for bit):
+        - h is bfloat16 (a bf16 model): the op takes bf16 rows and rounds the norm to bf16, as
+          rms_norm does for a bf16 h; a float32 model's norm stays float32 up to the
+          projections' own bf16 cast, which the op does not do;
+        - the attention takes quantized input: q_proj (and k_proj, v_proj where the layer has
+          them) all W4A8 on one backend, no tensor parallelism;
+        - input_layernorm has a weight (a decoder norm always has)."""
+        return (jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+                and self.input_layernorm.with_scale
+                and self.self_attn.takes_quantized_input())
+
+    def fuses_pre_feedforward_norm(self, dtype, branch_dtype) -> bool:
+        """Whether h + post_attention_layernorm(a), pre_feedforward_layernorm and the quantizer
+        of the MLP's gate/up projections run as one op (add_rms_norm_quantize with the
+        attention output as its branch), for h of ``dtype`` and a of ``branch_dtype``.
+
+        As fuses_input_norm: h and a bfloat16 (the op's bf16 add and roundings are the model's),
+        gate_proj and up_proj W4A8 on one backend without tensor parallelism, both norms with a
+        weight and one eps (the op has one). MoE layers fuse it too: h, which the router and
+        the experts read, is one of the op's results; their own norms stay as they are."""
+        bf16 = jnp.dtype(jnp.bfloat16)
+        post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
+        return (jnp.dtype(dtype) == bf16 and jnp.dtype(branch_dtype) == bf16
+                and post.with_scale and pre.with_scale and post.eps == pre.eps
+                and self.mlp.takes_quantized_input())
+
     def __call__(self, h, ple_i, cos, sin, **attn_kwargs):
-        a, kv_view, entry = self.self_attn(self.input_layernorm(h), cos, sin, **attn_kwargs)
-        h = h + self.post_attention_layernorm(a)
-        f = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.fuses_input_norm(h.dtype):
+            ops, norm = quantized_ops(self.self_attn.q_proj.backend), self.input_layernorm
+            x = nn.QuantizedRows(*ops.add_rms_norm_quantize(h, norm_weight=norm.weight[...],
+                                                            eps=norm.eps))
+        else:
+            x = self.input_layernorm(h)
+        a, kv_view, entry = self.self_attn(x, cos, sin, **attn_kwargs)
+        if self.fuses_pre_feedforward_norm(h.dtype, a.dtype):
+            post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
+            h, q, s = quantized_ops(self.mlp.gate_proj.backend).add_rms_norm_quantize(
+                h, a, branch_weight=post.weight[...], norm_weight=pre.weight[...], eps=pre.eps)
+            f = self.mlp(nn.QuantizedRows(q, s))
+        else:
+            h = h + self.post_attention_layernorm(a)
+            f = self.mlp(self.pre_feedforward_layernorm(h))
         if self.has_moe:
             flat = h.reshape(-1, h.shape[-1])
             weights, idx = self.router(flat)

@@ -21,6 +21,8 @@ filtering on nnx.Param never see the integer codes.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -35,6 +37,39 @@ QUANTIZE_MODES = (None, "w4a8")
 W4A8_K_MULTIPLE = ffi.w4a8.K_MULTIPLE  # 128: MXFP4 kernel-order group / the kernel's K tile
 W4A8_N_MULTIPLE = ffi.w4a8.N_MULTIPLE  # 8
 MXFP4_FIELDS = ("packed", "scales", "channel_exp")  # MXFP4Weight's fields, in order
+
+
+class QuantizedRows(NamedTuple):
+    """Activations already quantized per row for W4A8 projections: q float8_e4m3fn [..., K] and
+    scale float32 [...], as quantize_activations (or add_rms_norm_quantize) returns them. Modules
+    whose projections all read one activation take it in place of that activation when it was
+    quantized outside them (jax_mila/gemma4/model.py); ``project`` feeds it to a projection."""
+
+    q: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The activation's shape [..., K]."""
+        return tuple(self.q.shape)
+
+
+def project(linear: "Linear", x):
+    """``linear(x)``, or for QuantizedRows ``linear.matmul_quantized(q, scale)``: the same
+    result where x's W4A8 quantization is the given one."""
+    if isinstance(x, QuantizedRows):
+        return linear.matmul_quantized(x.q, x.scale)
+    return linear(x)
+
+
+def shares_quantized_input(*linears: "Linear") -> bool:
+    """Whether these projections of one activation may take it quantized once, outside them
+    (QuantizedRows), and compute what they compute from the activation itself: every one W4A8
+    (its input is quantized at all), all on one backend (by the same ops: quantized_ops), and no
+    tensor parallelism (kept out: the layers under it quantize inside their shard_map)."""
+    return (all(lin.quantize == "w4a8" for lin in linears)
+            and len({lin.backend for lin in linears}) == 1
+            and tensor_parallel_axis() is None)
 
 
 class MXFP4Param(nnx.Variable):

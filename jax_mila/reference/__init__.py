@@ -6,11 +6,13 @@ from jax_mila.reference.w4a8 import w4a8_matmul
 from jax_mila.reference.quantize import (
     E4M3_MAX,
     QUANT_MIN_AMAX,
+    add_rms_norm_quantize,
     dequantize_activations,
     geglu,
     quantize_activations,
     quantize_geglu,
 )
 
-__all__ = ["flash_attention", "E4M3_MAX", "QUANT_MIN_AMAX", "dequantize_activations", "geglu",
+__all__ = ["flash_attention", "E4M3_MAX", "QUANT_MIN_AMAX", "add_rms_norm_quantize",
+           "dequantize_activations", "geglu",
            "quantize_activations", "quantize_geglu", "w4a8_matmul"]

@@ -22,6 +22,26 @@ GPU, XLA (xla_allow_excess_precision, on by default) deletes f32 -> bf16 -> f32 
 their float32 tanh (XLA's rational approximation, the kernel's exp2 form), which moves rare
 elements of h by a bf16 step: jax_mila.testing.geglu_quantization_problem states what is
 admissible and checks it element by element.
+
+add_rms_norm_quantize(x, branch, branch_weight=, norm_weight=, eps=) is a Gemma 4 decoder layer's
+norms around its W4A8 projections (jax_mila/gemma4/model.py), rms_norm being
+jax_mila.nn.norm.rms_norm (float32, the weight itself as the multiplier, one rounding to bf16):
+    h = x + rms_norm(branch, branch_weight)         the bf16 add, rounded once
+                                                    (h + post_attention_layernorm(a))
+    (q, scale) = quantize_activations(rms_norm(h, norm_weight))
+                                                    (pre_feedforward_layernorm -> gate/up)
+returning (h, q, scale); without a branch, (q, scale) of rms_norm(x, norm_weight)
+(input_layernorm -> q/k/v). Unlike quantize_geglu's, this reference IS the layers' expression:
+the same jnp operations as rms_norm, the bf16 add and nn.Linear's quantizer input (bf16 rows),
+so that a model taking the op computes what it computed without it, bit for bit, under jit too. That matters
+because XLA does not keep every bf16 rounding of that expression under jit: on the CPU (jax
+0.10) it computes the second norm from h in float32, before its rounding (the bf16 add becomes
+a float32 add whose bf16 result only the returned h gets), in the model as in this function.
+Evaluated op by op (eagerly) every rounding is kept, and that is the op's definition, which the
+kernel computes (PyTorch's bf16 model rounds h too): h rounded to bf16 before the second norm.
+A kernel also sums the squares in its own order and takes its own rsqrt, which moves rare
+elements by a bf16 step: jax_mila.testing.add_rms_norm_quantization_problem states what is
+admissible under the definition.
 """
 
 from __future__ import annotations
@@ -74,6 +94,23 @@ def quantize_geglu(gate, up):
     h stays float32 (holding bf16 values) into the quantizer: a bf16 -> f32 convert there would
     be one XLA may fold away under jit (see above)."""
     return quantize_activations(_geglu_f32(gate, up))
+
+
+def add_rms_norm_quantize(x, branch=None, *, branch_weight=None, norm_weight, eps):
+    """x, branch: bf16 [..., K]; branch_weight, norm_weight: [K] (any float dtype: rms_norm uses
+    them in float32); eps: a Python float.
+
+    With ``branch``: h = x + rms_norm(branch, branch_weight, eps) (bf16) and (q, scale) =
+    quantize_activations(rms_norm(h, norm_weight, eps)); returns (h, q, scale). Without:
+    (q, scale) of rms_norm(x, norm_weight, eps)."""
+    from jax_mila.nn.norm import rms_norm  # noqa: PLC0415 - jax_mila.nn imports this package
+
+    h = x if branch is None else x + rms_norm(branch, branch_weight, eps)
+    y = rms_norm(h, norm_weight, eps)
+    # What nn.Linear's W4A8 path does with its input: bf16 (already), rows, the quantizer.
+    q, scale = quantize_activations(y.astype(jnp.bfloat16).reshape(-1, y.shape[-1]))
+    q, scale = q.reshape(y.shape), scale.reshape(y.shape[:-1])
+    return (q, scale) if branch is None else (h, q, scale)
 
 
 def dequantize_activations(q, scale, dtype=jnp.float32):
