@@ -25,7 +25,7 @@ BUCKETS = (
     ("attn global (flash d512)", re.compile(r"flash512", re.I)),
     ("attn local (flash d256)", re.compile(r"flashattentiond256|flash256", re.I)),
     ("w4a8 gemm", re.compile(r"w4a8", re.I)),
-    ("act quantize", re.compile(r"quantize_rows", re.I)),
+    ("act quantize", re.compile(r"quantize_rows|rms_norm_quantize", re.I)),  # + fused norms
     ("cudnn attention", re.compile(r"cudnn|fmha|flash_fprop|fprop", re.I)),
     ("xla gemm", re.compile(r"gemm|cublas|cutlass|nvjet|xmma|matmul|triton_dot|__dot", re.I)),
     ("collectives (nccl)", re.compile(r"nccl", re.I)),
