@@ -67,9 +67,9 @@ def check_quantize():
         problem = testing.geglu_quantization_problem(gate, up, *got)
         assert problem is None, (shape, problem)
         yield f"quantize_geglu {shape}"
-    # The fused norms, with and without a branch: each launch configuration (1 chunk per thread
-    # up to K = 4096, 2 up to 8192, the uncached kernel beyond), more rows than the grid (the
-    # blocks stride over rows, weights and the next row's loads held across rows), zero rows;
+    # The fused norms, with and without a branch: each launch configuration (one warp or a pair
+    # per row, 1 to 16 chunks a lane up to K = 8192, the uncached kernel beyond), more rows than
+    # the grid (the groups stride over rows; the pairs' shared exchange reused per row), zero rows;
     # held against jax_mila.testing.add_rms_norm_quantization_problem. Only the kernel: the
     # reference under jit is the unfused layers' expression as XLA computes it, which may keep h
     # in float32 for the second norm (jax_mila/reference/quantize.py) where the oracle wants it
@@ -78,8 +78,9 @@ def check_quantize():
     if not (testing.has_cuda() and st.kernel):
         yield f"add_rms_norm_quantize: skipped, no kernel here ({st.reason})"
         return
-    for shape in ((1, 16), (3, 5, 48), (97, 2816), (33, 3840), (9, 4112), (9, 5376), (3, 8192),
-                  (3, 9008), (3000, 128)):
+    for shape in ((1, 16), (3, 5, 48), (9, 512), (9, 1024), (97, 2816), (9, 2048), (9, 2064),
+                  (33, 3840), (9, 3856), (9, 4112), (9, 5376), (9, 6160), (3, 8192), (3, 9008),
+                  (3000, 128), (3000, 3840), (2000, 4096)):
         k = shape[-1]
         rows = int(np.prod(shape[:-1]))
         x = _bf16(shape, 3.0).reshape(-1, k).at[0].set(0).reshape(shape)

@@ -822,17 +822,24 @@ class NormKernelTest(parameterized.TestCase):
         assert_norm_admissible(self, x, None, got, wb, wn, f"{what}, no branch", eps)
 
     @parameterized.named_parameters(
-        dict(testcase_name="one_row", shape=(1, 16)),
+        # Configurations (rms_norm_quantize_kernel.cu's launch(); n = K / 8 chunks a row):
+        # warps per row x chunks a lane, without / with a branch.
+        dict(testcase_name="one_row", shape=(1, 16)),            # 1 x 1, 2 of 32 lanes
         dict(testcase_name="leading_dims", shape=(3, 5, 48)),
-        dict(testcase_name="odd_rows", shape=(97, 2816)),        # 352 chunks: 352 threads x 1
-        dict(testcase_name="e2b", shape=(301, 1536)),
-        dict(testcase_name="gemma_12b", shape=(1024, 3840)),     # 480 threads x 1 chunk
-        dict(testcase_name="k_4096", shape=(65, 4096)),          # 512 x 1: the largest 1-chunk
-        dict(testcase_name="k_4112", shape=(65, 4112)),          # 288 x 2: the smallest 2-chunk
-        dict(testcase_name="gemma_31b", shape=(257, 5376)),      # 352 threads x 2 chunks
-        dict(testcase_name="k_8192", shape=(33, 8192)),          # 512 x 2: the largest cached
+        dict(testcase_name="odd_rows", shape=(97, 2816)),        # n=352: 1 x 12 / 2 x 8
+        dict(testcase_name="e2b", shape=(301, 1536)),            # n=192: 1 x 8
+        dict(testcase_name="k_2048", shape=(33, 2048)),          # n=256: 1 x 8, the largest
+        dict(testcase_name="k_2064", shape=(33, 2064)),          # n=258: 1 x 12 / 2 x 8
+        dict(testcase_name="gemma_12b", shape=(1024, 3840)),     # n=480: 1 x 15 / 2 x 8
+        dict(testcase_name="k_3856", shape=(65, 3856)),          # n=482: 2 x 8
+        dict(testcase_name="k_4096", shape=(65, 4096)),          # n=512: 2 x 8, the largest
+        dict(testcase_name="k_4112", shape=(65, 4112)),          # n=514: 2 x 12
+        dict(testcase_name="gemma_31b", shape=(257, 5376)),      # n=672: 2 x 12
+        dict(testcase_name="k_6160", shape=(33, 6160)),          # n=770: 2 x 16
+        dict(testcase_name="k_8192", shape=(33, 8192)),          # n=1024: 2 x 16, the largest
         dict(testcase_name="longer_than_register_cache", shape=(9, 9008)),
-        dict(testcase_name="many_rows", shape=(20000, 128)),     # rows > grid: blocks stride
+        dict(testcase_name="many_rows", shape=(20000, 128)),     # rows > grid: groups stride
+        dict(testcase_name="many_rows_two_warps", shape=(3000, 4096)),  # 2 x 8, rows > grid
         dict(testcase_name="f32_weights", shape=(97, 2816), weight_dtype=jnp.float32),
     )
     def test_matches_oracle_with_poisoned_outputs(self, shape, weight_dtype=jnp.bfloat16):

@@ -7,13 +7,21 @@
 // rms_norm(v, w) = bf16((v * r) * w), r = (sum(v^2) / K + eps)^-0.5, all float32 (Gemma 4: the
 // weight itself is the multiplier, jax_mila/nn/norm.py).
 //
-// One block per row at a time. The row stays in registers from its loads to its stores, so x and
-// branch are read from HBM once and h and the normed row never go back to it; between the loads
-// and the stores are three block reductions (the branch's sum of squares, h's, the normed row's
-// amax). The grid holds as many blocks as fit on the GPU and each block strides over the rows:
-// its threads keep their columns' weights (float32) in registers for every row, and the loads of
-// the block's next row are issued before the current row's reductions, so they overlap.
-// Rows past 8192 values take a kernel that re-reads the row (from L2 in practice) per pass.
+// Many rows in flight per SM, warp-level reductions. A row is held in registers by one warp (or,
+// for longer rows and for rows with a branch past 256 chunks, a pair of warps) from its loads to
+// its stores, so x and branch are read from HBM once and h and the normed row never go back to
+// it. Lane t of the row's group holds chunks t, t + 32 G, ... (16-byte chunks of 8 bf16; G the
+// warps of the group): every load and store instruction of a warp covers 32 consecutive chunks
+// (x, branch, h: 512 bytes; q: 256). The three reductions of a row (the branch's sum of squares,
+// h's, the normed row's amax) are warp butterflies, plus one shared-memory exchange and
+// __syncthreads of the 64-thread block for a two-warp group. 64-thread blocks (two one-warp rows
+// or one two-warp row), a grid of as many as fit on the GPU at once; the groups stride over the
+// rows. The float32 weights are read per row through L1 (ld.global.nc; x and the branch are
+// loaded with L1::no_allocate so that they do not evict them), after the reduction that precedes
+// their use. Occupancy is set per configuration by __launch_bounds__ (cached_min_blocks): at
+// K = 3840, 20 warps per SM (20 rows in flight, 96 registers) without a branch, 20 warps (10
+// two-warp rows, 96 registers) with one. Rows past 8192 values take a kernel that re-reads the
+// row (from L2 in practice) per pass.
 //
 // Where the float32 results may differ from XLA's: the sum of squares is summed in another
 // order (each thread's values in sequence, then a butterfly over the warp, then the warps in
@@ -36,11 +44,15 @@ using quantize_rows::chunk_amax;
 using quantize_rows::chunk_to_e4m3;
 using quantize_rows::kBf16PerChunk;
 
+// The uncached kernel's block (one row per block).
 constexpr int kMaxThreads = 512;
 constexpr int kMaxWarps = kMaxThreads / 32;
-// A thread caches this many chunks of a row at most; longer rows take the uncached kernel.
-constexpr int kMaxCachedChunks = 2;
-constexpr int64_t kMaxCachedRowChunks = int64_t{kMaxCachedChunks} * kMaxThreads;  // K <= 8192
+// The cached kernels: a row's chunks held in registers by one warp or by a pair of warps, up to
+// 1024 chunks (K <= 8192); longer rows take the uncached kernel.
+constexpr int kMaxCachedRowChunks = 64 * 16;
+// Both kinds of cached kernel run 64-thread blocks: two independent one-warp rows, or one
+// two-warp row (a small block makes the occupancy bound below fine-grained).
+constexpr int kCachedThreads = 64;
 
 struct Params {
   const uint4* x;        // [rows, chunks], 8 bf16 per chunk
@@ -54,6 +66,7 @@ struct Params {
   int chunks;
   float cols;            // K as a float, the divisor of the mean
   float eps;
+  uint32_t zero;         // 0 (refresh())
 };
 
 // A chunk's 8 weights.
@@ -141,86 +154,177 @@ __device__ __forceinline__ RowScale row_scale(float amax) {
   return {zero_row ? 0.f : kE4M3Max / amax, zero_row ? 1.f : amax * kInvE4M3Max};
 }
 
-// One row's global loads: x and (with a branch) the branch, zero past the row's end.
-template <int kChunks, bool kBranch>
-struct RowData {
-  uint4 x[kChunks];
-  uint4 b[kBranch ? kChunks : 1];
-};
-
-template <int kChunks, bool kBranch>
-__device__ __forceinline__ RowData<kChunks, kBranch> load_row(const Params& p, int64_t row) {
-  RowData<kChunks, kBranch> d;
-  const int64_t base = row * p.chunks;
-#pragma unroll
-  for (int i = 0; i < kChunks; ++i) {
-    const int c = threadIdx.x + i * blockDim.x;
-    const bool valid = c < p.chunks;
-    d.x[i] = valid ? __ldg(p.x + base + c) : make_uint4(0, 0, 0, 0);
-    if constexpr (kBranch) d.b[i] = valid ? __ldg(p.branch + base + c) : make_uint4(0, 0, 0, 0);
-  }
-  return d;
+// A 16-byte chunk of a streamed input (x, branch: each read once), or zero where !valid. Not
+// allocated in L1, which keeps the weights (read by every row) there.
+__device__ __forceinline__ uint4 load_stream(const uint4* ptr, bool valid) {
+  uint4 v;
+  asm("{\n"
+      "  .reg .pred p;\n"
+      "  setp.ne.b32 p, %5, 0;\n"
+      "  mov.b32 %0, 0;\n"
+      "  mov.b32 %1, 0;\n"
+      "  mov.b32 %2, 0;\n"
+      "  mov.b32 %3, 0;\n"
+      "  @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      "}\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(ptr), "r"(static_cast<int>(valid)));
+  return v;
 }
 
-// Rows of at most kChunks * blockDim.x chunks. Padding chunks (past the row's end) hold zero
-// values and zero weights, so they add nothing to the sums and the amax.
-template <int kChunks, bool kBranch>
-__global__ void __launch_bounds__(kMaxThreads)
-rms_norm_quantize_cached(const Params p) {
-  __shared__ float reduce_buf[3][kMaxWarps];
-  const int warps = blockDim.x / 32;
+// 4 weights through L1 (ld.global.nc), zeros where !valid.
+__device__ __forceinline__ float4 load_weight4(const float4* ptr, bool valid) {
+  float4 v;
+  asm("{\n"
+      "  .reg .pred p;\n"
+      "  setp.ne.b32 p, %5, 0;\n"
+      "  mov.b32 %0, 0;\n"
+      "  mov.b32 %1, 0;\n"
+      "  mov.b32 %2, 0;\n"
+      "  mov.b32 %3, 0;\n"
+      "  @p ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+      "}\n"
+      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+      : "l"(ptr), "r"(static_cast<int>(valid)));
+  return v;
+}
 
-  Weights8 wn[kChunks];
-  Weights8 wb[kBranch ? kChunks : 1];
+// A chunk's 8 weights, or zeros where !valid (the padding past a row's end).
+__device__ __forceinline__ Weights8 load_weights_or_zero(const float4* w, int c, bool valid) {
+  return {load_weight4(w + 2 * c, valid), load_weight4(w + 2 * c + 1, valid)};
+}
+
+// The weights `w` as an address that depends on the row's reduction result `r`: w itself
+// (Params::zero is 0), but the compilers cannot know that. The weights are the same for every
+// row, so without the dependency NVVM hoists their loads out of the row loop (every weight of the
+// lane in registers: 8 a chunk and norm) and ptxas hoists them above the reduction (the same
+// registers while the row waits for it); with it they are loaded from L1 after the reduction,
+// just before their use.
+__device__ __forceinline__ const float4* after(const float4* w, float r, uint32_t zero) {
+  return w + (__float_as_uint(r) & zero);
+}
+
+// v ^ zero, where zero is Params::zero (always 0, unknown to the compiler): applied to every
+// chunk of the row after each of its reductions. The compilers (NVVM and ptxas) otherwise convert
+// each bf16 pair to float32 once for the uses on both sides of a reduction and keep the floats
+// (8 registers a chunk instead of 4) live across it: about twice the registers, spills under the
+// occupancy bound. One LOP per word and reduction; the chunk is converted again after it.
+__device__ __forceinline__ void refresh(uint4& v, uint32_t zero) {
+  v.x ^= zero;
+  v.y ^= zero;
+  v.z ^= zero;
+  v.w ^= zero;
+}
+
+// Sum (kMax false) or max over a row's group of kWarps warps; every thread of the group returns
+// the same value (the butterfly gives every lane the same value by commutativity, and each
+// thread combines the warps' in order). kWarps > 1: the block is the group; `buf` [kWarps] must
+// not be written by another reduction between this call's __syncthreads and its reads: the
+// kernel gives each reduction of a row its own buffer (a warp cannot reach the next row's use of
+// a buffer before every warp has passed the following reduction's barrier, i.e. done its reads).
+template <int kWarps, bool kMax>
+__device__ __forceinline__ float group_reduce(float v, float* buf) {
 #pragma unroll
-  for (int i = 0; i < kChunks; ++i) {
-    const int c = threadIdx.x + i * blockDim.x;
-    const bool valid = c < p.chunks;
-    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-    wn[i] = valid ? load_weights(p.norm_weight, c) : Weights8{zero, zero};
-    if constexpr (kBranch) wb[i] = valid ? load_weights(p.branch_weight, c) : Weights8{zero, zero};
+  for (int off = 16; off > 0; off >>= 1) {
+    const float o = __shfl_xor_sync(0xffffffffu, v, off);
+    v = kMax ? fmaxf(v, o) : __fadd_rn(v, o);
   }
+  if constexpr (kWarps > 1) {
+    if (threadIdx.x % 32 == 0) buf[threadIdx.x / 32] = v;
+    __syncthreads();
+    v = buf[0];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) v = kMax ? fmaxf(v, buf[w]) : __fadd_rn(v, buf[w]);
+  }
+  return v;
+}
 
-  int64_t row = blockIdx.x;
-  if (row >= p.rows) return;
-  RowData<kChunks, kBranch> next = load_row<kChunks, kBranch>(p, row);
-  for (; row < p.rows; row += gridDim.x) {
-    const RowData<kChunks, kBranch> cur = next;
-    if (row + gridDim.x < p.rows) next = load_row<kChunks, kBranch>(p, row + gridDim.x);
+// 64-thread blocks per SM that ptxas must leave registers for (65536 / (64 x blocks) registers a
+// thread at most), per configuration: the largest count for which ptxas spills nothing on sm_80,
+// sm_89 and sm_90a (nvcc 13.0; a search over 4..32), at most 16 (32 warps). Without a bound
+// ptxas takes up to 255 registers (it issues the weight loads of every chunk at once), with a
+// tighter one than these it spills.
+template <int kWarps, int kChunks, bool kBranch>
+constexpr int cached_min_blocks() {
+  if constexpr (kChunks <= 4) return 16;                 // <= 64 registers
+  if constexpr (!kBranch) {
+    if constexpr (kWarps == 1 && kChunks == 15) return 10;  // 96 registers, 20 warps
+    if constexpr (kWarps == 2 && kChunks == 16) return 10;
+    return 14;                                           // 72 registers, 28 warps
+  } else {
+    if constexpr (kChunks == 8) return 10;               // 96 registers, 20 warps
+    if constexpr (kChunks == 12) return 6;               // 168 registers, 12 warps
+    return 4;                                            // 255 registers, 8 warps
+  }
+}
+
+// Rows of at most 32 * kWarps * kChunks chunks, each held in registers by a group of kWarps
+// warps from its loads to its stores: lane t of the group (t = 0 .. 32 kWarps - 1) holds chunks
+// t, t + 32 kWarps, ... (each load and store instruction of a warp covers 32 consecutive chunks).
+// kWarps == 1: 64-thread blocks of 2 independent warps, no barrier; kWarps == 2: the block is
+// the group (one __syncthreads per reduction). The groups stride over the rows (the grid is what fits on the GPU at once, or fewer
+// blocks than that for few rows). Padding chunks (past the row's end) hold zero values and zero
+// weights, so they add nothing to the sums and the amax, and are not stored.
+template <int kWarps, int kChunks, bool kBranch, int kMinBlocks>
+__global__ void __launch_bounds__(kCachedThreads, kMinBlocks)
+rms_norm_quantize_cached(const Params p) {
+  constexpr int kGroupThreads = 32 * kWarps;
+  constexpr int kRowsPerBlock = kCachedThreads / kGroupThreads;
+  __shared__ float reduce_buf[3][kWarps];
+  const int t = kWarps == 1 ? threadIdx.x % 32 : threadIdx.x;  // the thread in its group
+  const int64_t row_step = int64_t{gridDim.x} * kRowsPerBlock;
+  for (int64_t row = int64_t{blockIdx.x} * kRowsPerBlock + threadIdx.x / kGroupThreads;
+       row < p.rows; row += row_step) {
     const int64_t base = row * p.chunks;
+    // Every load of the row first (loads and arithmetic as separate steps: quantize_rows.cuh).
+    uint4 v[kChunks];  // x, then h, then the normed row
+    uint4 b[kBranch ? kChunks : 1];
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int c = t + i * kGroupThreads;
+      v[i] = load_stream(p.x + base + c, c < p.chunks);
+      if constexpr (kBranch) b[i] = load_stream(p.branch + base + c, c < p.chunks);
+    }
 
-    uint4 v[kChunks];  // h, then the normed row
     if constexpr (kBranch) {
       float ss = 0.f;
 #pragma unroll
-      for (int i = 0; i < kChunks; ++i) ss += chunk_sum_of_squares(cur.b[i]);
-      const float rb = inverse_rms(block_reduce<false>(ss, reduce_buf[0], warps), p.cols, p.eps);
+      for (int i = 0; i < kChunks; ++i) ss += chunk_sum_of_squares(b[i]);
+      const float rb =
+          inverse_rms(group_reduce<kWarps, false>(ss, reduce_buf[0]), p.cols, p.eps);
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) refresh(b[i], p.zero);
+      const float4* wb = after(p.branch_weight, rb, p.zero);
 #pragma unroll
       for (int i = 0; i < kChunks; ++i) {
-        v[i] = add_chunk(cur.x[i], norm_chunk(cur.b[i], rb, wb[i]));
-        const int c = threadIdx.x + i * blockDim.x;
-        if (c < p.chunks) p.h[base + c] = v[i];
+        const int c = t + i * kGroupThreads;
+        const bool valid = c < p.chunks;
+        v[i] = add_chunk(v[i], norm_chunk(b[i], rb, load_weights_or_zero(wb, c, valid)));
+        if (valid) p.h[base + c] = v[i];
       }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kChunks; ++i) v[i] = cur.x[i];
     }
 
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) ss += chunk_sum_of_squares(v[i]);
-    const float r = inverse_rms(block_reduce<false>(ss, reduce_buf[1], warps), p.cols, p.eps);
+    const float r = inverse_rms(group_reduce<kWarps, false>(ss, reduce_buf[1]), p.cols, p.eps);
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) refresh(v[i], p.zero);
+    const float4* wn = after(p.norm_weight, r, p.zero);
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
-      v[i] = norm_chunk(v[i], r, wn[i]);
+      const int c = t + i * kGroupThreads;
+      v[i] = norm_chunk(v[i], r, load_weights_or_zero(wn, c, c < p.chunks));
       amax = fmaxf(amax, chunk_amax(v[i]));
     }
-    const RowScale s = row_scale(block_reduce<true>(amax, reduce_buf[2], warps));
-    if (threadIdx.x == 0) p.scale[row] = s.scale;
+    const RowScale s = row_scale(group_reduce<kWarps, true>(amax, reduce_buf[2]));
+    if (t == 0) p.scale[row] = s.scale;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) refresh(v[i], p.zero);
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
-      const int c = threadIdx.x + i * blockDim.x;
+      const int c = t + i * kGroupThreads;
       if (c < p.chunks) p.q[base + c] = chunk_to_e4m3(v[i], s.inv);
     }
   }
@@ -276,7 +380,8 @@ rms_norm_quantize_uncached(const Params p) {
 }
 
 // Blocks of `threads` that fit on the current device at once (SMs x blocks per SM), cached per
-// (device, kernel, block size): the strided kernels' grid.
+// (device, kernel, block size): the strided kernels' grid. Only attribute and occupancy queries,
+// no stream work, so it is valid while the stream is being captured into a CUDA graph.
 template <typename Kernel>
 int64_t resident_blocks(Kernel kernel, int threads) {
   static std::mutex mutex;
@@ -299,26 +404,39 @@ int64_t resident_blocks(Kernel kernel, int threads) {
   return blocks;
 }
 
-int round_up_warps(int64_t threads) { return static_cast<int>((threads + 31) / 32 * 32); }
-
-template <int kChunks, bool kBranch>
+template <int kWarps, int kChunks, bool kBranch>
 cudaError_t launch_cached(const Params& p, cudaStream_t stream) {
-  const int threads = round_up_warps((p.chunks + kChunks - 1) / kChunks);
-  auto kernel = rms_norm_quantize_cached<kChunks, kBranch>;
+  constexpr int kThreads = kCachedThreads;
+  constexpr int kRowsPerBlock = kThreads / (32 * kWarps);
+  auto kernel = rms_norm_quantize_cached<kWarps, kChunks, kBranch,
+                                         cached_min_blocks<kWarps, kChunks, kBranch>()>;
   // Any grid gives the same result; without the occupancy (a failed query, reported by the
-  // launch check), one block per row.
-  const int64_t resident = resident_blocks(kernel, threads);
-  const int64_t grid = resident > 0 && resident < p.rows ? resident : p.rows;
-  kernel<<<dim3(static_cast<unsigned>(grid)), dim3(threads), 0, stream>>>(p);
+  // launch check), one group per row.
+  const int64_t needed = (p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int64_t resident = resident_blocks(kernel, kThreads);
+  const int64_t grid = resident > 0 && resident < needed ? resident : needed;
+  kernel<<<dim3(static_cast<unsigned>(grid)), dim3(kThreads), 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 template <bool kBranch>
 cudaError_t launch(const Params& p, cudaStream_t stream) {
-  // One chunk per thread up to 512 chunks (K <= 4096: the 12B's 3840 takes 480 threads), two
-  // up to 1024 (K <= 8192: the 31B's 5376 takes 352 threads), beyond that the uncached kernel.
-  if (p.chunks <= kMaxThreads) return launch_cached<1, kBranch>(p, stream);
-  if (p.chunks <= kMaxCachedRowChunks) return launch_cached<kMaxCachedChunks, kBranch>(p, stream);
+  // The fewest chunks a lane that hold the row, at most 15 (no branch) or 8 (with a branch: x and
+  // the branch held, 2 x 4 registers a chunk) a lane of one warp, then two warps per row up to
+  // 1024 chunks (K <= 8192). At K = 3840 (480 chunks): 1 warp x 15 chunks without a branch, 2
+  // warps x 8 with one; the 31B's 5376 (672 chunks): 2 warps x 12. Beyond: the uncached kernel.
+  const int n = p.chunks;
+  if (n <= 32 * 1) return launch_cached<1, 1, kBranch>(p, stream);
+  if (n <= 32 * 2) return launch_cached<1, 2, kBranch>(p, stream);
+  if (n <= 32 * 4) return launch_cached<1, 4, kBranch>(p, stream);
+  if (n <= 32 * 8) return launch_cached<1, 8, kBranch>(p, stream);
+  if constexpr (!kBranch) {
+    if (n <= 32 * 12) return launch_cached<1, 12, kBranch>(p, stream);
+    if (n <= 32 * 15) return launch_cached<1, 15, kBranch>(p, stream);
+  }
+  if (n <= 64 * 8) return launch_cached<2, 8, kBranch>(p, stream);
+  if (n <= 64 * 12) return launch_cached<2, 12, kBranch>(p, stream);
+  if (n <= kMaxCachedRowChunks) return launch_cached<2, 16, kBranch>(p, stream);
   rms_norm_quantize_uncached<kBranch>
       <<<dim3(static_cast<unsigned>(p.rows)), dim3(kMaxThreads), 0, stream>>>(p);
   return cudaGetLastError();
@@ -342,6 +460,7 @@ cudaError_t LaunchAddRmsNormQuantize(const __nv_bfloat16* x, const __nv_bfloat16
   p.chunks = static_cast<int>(cols / kBf16PerChunk);
   p.cols = static_cast<float>(cols);
   p.eps = eps;
+  p.zero = 0;
   return branch != nullptr ? launch<true>(p, stream) : launch<false>(p, stream);
 }
 
