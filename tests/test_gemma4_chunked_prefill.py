@@ -90,10 +90,10 @@ class ChunkedPrefillTest(parameterized.TestCase):
     def setUp(self):
         super().setUp()
         # The 1e-5 bounds assume float32 (or float64) arithmetic, where chunking changes only
-        # the order of sums. XLA:GPU's default precision runs float32 dots as TF32 (inputs
-        # rounded to 10 mantissa bits), whose products the chunked and one-shot shapes need
-        # not round alike; these tiny models then differ by more than float32 rounding on
-        # the H200 (test_capacity_below_window, test_one_compile_for_all_chunks). The CPU
+        # the order of sums. XLA:GPU's default precision may run float32 dots as TF32, whose
+        # rounding these bounds do not cover; two float32 comparisons failed on the H200
+        # (test_capacity_below_window, test_one_compile_for_all_chunks; their messages were
+        # lost to a timeout, so TF32 is the suspected, not the confirmed, cause). The CPU
         # computes float32 dots in float32 either way.
         self.enter_context(jax.default_matmul_precision("float32"))
 
