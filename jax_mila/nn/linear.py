@@ -29,6 +29,7 @@ from flax import nnx
 
 from jax_mila import ffi, reference
 from jax_mila.ffi._registry import log_fallback
+from jax_mila.nn import noise
 from jax_mila.nn.backend import check_backend
 from jax_mila.parallel.tensor import active_axis as tensor_parallel_axis
 from jax_mila.quant.mxfp4 import MXFP4Weight, quantize_mxfp4
@@ -199,7 +200,8 @@ class Linear(nnx.Module):
         # to bf16 first, which costs far less than the FP8 rounding that follows.
         # Sizes from the arrays, not the attributes: under tensor parallelism (shard_map) this
         # layer holds a slice of its weight (jax_mila/parallel/tensor.py).
-        rows = x.astype(jnp.bfloat16).reshape(-1, x.shape[-1])
+        # noise.perturb: the identity, except inside noise.quantizer_noise (a sensitivity probe).
+        rows = noise.perturb(x.astype(jnp.bfloat16).reshape(-1, x.shape[-1]))
         axis = tensor_parallel_axis()
         if axis is not None and x.shape[-1] != self.in_features:
             # Row-parallel under tensor parallelism: this device holds a slice of each row. Scale
