@@ -7,7 +7,10 @@ tests/test_parallel_tensor.py's W4A8 bound and fidelity's noise floor), on CPU.
   own subset;
 - a W4A8 Linear and the fused GeGLU MLP see the noise at their quantizer, and the MLP's probe
   path forms exactly what quantize_geglu quantizes (with the moves switched off, the outputs
-  are bit-identical).
+  are bit-identical);
+- a bf16 decoder whose norms and quantizers run fused (add_rms_norm_quantize) runs them
+  unfused under the noise, so the q/k/v and gate/up inputs are perturbed too, and with the
+  moves switched off computes the same logits bit for bit.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from absl.testing import absltest
 from flax import nnx
 
 from jax_mila import nn
+from jax_mila.gemma4 import fidelity
 from jax_mila.gemma4.mlp import Gemma4MLP
 from jax_mila.nn import noise
 
@@ -102,6 +106,37 @@ class ModelSeesTheNoiseTest(absltest.TestCase):
         with mock.patch.object(noise, "one_ulp", lambda x, key, rate: x), \
                 noise.quantizer_noise(jax.random.key(SEED + 1), 1.0):
             np.testing.assert_array_equal(mlp(x), clean)
+
+    def test_fused_norms_run_unfused_under_the_noise(self):
+        cfg = fidelity.model_config("tiny", layers=2)
+        model = fidelity.random_model(cfg, quantize="w4a8", backend="reference", seed=SEED)
+        layer = model.layers[0]
+        self.assertTrue(layer.fuses_input_norm(jnp.bfloat16))
+        self.assertTrue(layer.fuses_pre_feedforward_norm(jnp.bfloat16, jnp.bfloat16))
+        ids = jax.random.randint(jax.random.key(SEED), (1, 24), 3, cfg.vocab_size, jnp.int32)
+        graphdef, state = nnx.split(model)
+
+        @jax.jit
+        def noisy(state, key):
+            with noise.quantizer_noise(key, 1.0):
+                self.assertFalse(layer.fuses_input_norm(jnp.bfloat16))  # traced under the noise
+                return nnx.merge(graphdef, state)(ids)
+
+        clean = jax.jit(lambda s: nnx.merge(graphdef, s)(ids))(state)
+        key = jax.random.key(SEED + 1)
+        self.assertTrue(np.any(np.asarray(noisy(state, key) != clean)), f"seed {SEED}")
+        with mock.patch.object(noise, "one_ulp", lambda x, key, rate: x):
+            noisy.clear_cache()
+            np.testing.assert_array_equal(noisy(state, key), clean, f"seed {SEED}")
+        # Every W4A8 projection's input went through the probe: the attention's input projections
+        # (q, k, and v where the layer has one) and o, gate, up, down in each layer.
+        seen = []
+        real = noise.perturb
+        with mock.patch.object(noise, "perturb", lambda x: seen.append(x.shape) or real(x)):
+            noisy.clear_cache()
+            noisy(state, key)
+        expected = sum(len(l.self_attn.input_projections()) + 4 for l in model.layers)
+        self.assertLen(seen, expected)
 
 
 if __name__ == "__main__":

@@ -67,10 +67,14 @@ def shares_quantized_input(*linears: "Linear") -> bool:
     """Whether these projections of one activation may take it quantized once, outside them
     (QuantizedRows), and compute what they compute from the activation itself: every one W4A8
     (its input is quantized at all), all on one backend (by the same ops: quantized_ops), and no
-    tensor parallelism (kept out: the layers under it quantize inside their shard_map)."""
+    tensor parallelism (kept out: the layers under it quantize inside their shard_map), and no
+    noise.quantizer_noise (the probe perturbs each projection's own quantizer input, in _w4a8;
+    the fused norm + quantizer's reference is the unfused expression, so only the noise moves).
+    """
     return (all(lin.quantize == "w4a8" for lin in linears)
             and len({lin.backend for lin in linears}) == 1
-            and tensor_parallel_axis() is None)
+            and tensor_parallel_axis() is None
+            and not noise.active())
 
 
 class MXFP4Param(nnx.Variable):
