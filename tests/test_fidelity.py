@@ -3,6 +3,9 @@ every error must be exactly 0), and that its per-layer comparison does see a dif
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import json
 import os
 import tempfile
@@ -18,6 +21,20 @@ from jax_mila.ffi import _registry
 from jax_mila.gemma4 import fidelity
 
 SEED = int.from_bytes(os.urandom(4), "little") % 2**31
+SEEDS_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "fidelity_seeds.py")
+ARGS = ["--model", "tiny", "--tokens", "40", "--logit-rows", "16", "--prefill-chunk", "16",
+        "--generate-tokens", "6", "--noise-floor"]  # scripts/fidelity_seeds.py runs the same
+# GPU: the kernel path's error in units of the noise floor (fidelity.NOISE_FLOOR_RATE: the
+# reference against itself with every quantizer input one bf16 ulp off). PROVISIONAL, to be
+# calibrated on the H200 with scripts/fidelity_seeds.py (its ratio column); what they rest on
+# so far: the floor is 8e-3 after layer 0 and 2.5e-2 after layer 5 (CPU, seeds 0-24), the
+# kernels measured 6.2e-3 after layer 0 and 2.24e-2 / 2.42e-2 after layer 5 (seeds 331020728
+# and 0, H200, 2026-12-01), ratios of ~0.75 and ~0.9; on the CPU, errors that emulate a
+# less precise accumulation (4e-4 relative noise on every GEMM output) stay under 0.8 of the
+# floor, while one output channel doubled in every GEMM reaches 3.2-4.1 and FP8 codes
+# truncated instead of rounded 1.5-1.6 (layer 0).
+NOISE_MULTIPLE = 1.25
+NOISE_ABS = 1e-3  # so that a floor of ~0 (it is not, at rate 1) never asks for exact equality
 
 
 class FidelityTest(absltest.TestCase):
@@ -25,30 +42,71 @@ class FidelityTest(absltest.TestCase):
     def test_tiny_run_writes_the_table_and_json(self):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "fidelity.json")
-            rc = fidelity.main(["--model", "tiny", "--tokens", "40", "--logit-rows", "16",
-                                "--prefill-chunk", "16", "--generate-tokens", "6",
-                                "--seed", str(SEED), "--out", out])
+            rc = fidelity.main(ARGS + ["--seed", str(SEED), "--out", out])
             with open(out) as f:
                 result = json.load(f)
         msg = f"seed {SEED}: {result}"
-        self.assertEqual(rc, 0, msg)
-        lg = result["forward"]["logits"]
+        f, g = result["forward"], result["generate"]
+        self.assertEqual(rc, 0 if g["equal"] else 1, msg)  # any greedy mismatch exits 1
+        lg = f["logits"]
         self.assertEqual(lg["positions"], 40, msg)
+        self.assertLen(f["layer_rel_err"], 6, msg)
+        # The noise floor itself: nonzero from the first layer, and growing with depth (each
+        # layer re-quantizes the drift it receives: 7.7e-3 -> 2.5e-2, every step >= x1.10 over
+        # CPU seeds 0-24).
+        floor = np.asarray(f["noise_floor_layer_rel_err"])
+        self.assertLen(floor, 6, msg)
+        self.assertGreater(floor[0], 1e-3, msg)
+        self.assertTrue(np.all(np.diff(floor) > 0), msg)
+        self.assertLess(f["noise_floor_logits"]["cosine_min"], 1.0, msg)
         if not _registry.cuda_capabilities():
             # No kernels: both paths are the same computation.
             self.assertEqual((lg["top1_agreement"], lg["max_abs_err"], lg["rel_err"]),
                              (1.0, 0.0, 0.0), msg)
             self.assertGreater(lg["cosine_min"], 1 - 1e-6, msg)  # float32 rounding of the cosine
-            self.assertEqual(result["forward"]["layer_rel_err"], [0.0] * 6, msg)
+            self.assertEqual(f["layer_rel_err"], [0.0] * 6, msg)
+            self.assertTrue(f["chunked_prefill_last_logits"]["top1_equal"], msg)
+            self.assertTrue(g["equal"], msg)
         else:
             # The W4A8 kernels run (the embedded dims are multiples of 128); they equal the
-            # reference up to float32 summation order (wgmma: ~1e-4), then bf16 rounding.
-            self.assertGreater(lg["cosine_min"], 0.999, msg)
-            self.assertLess(max(result["forward"]["layer_rel_err"]), 2e-2, msg)
-            self.assertLen(result["forward"]["layer_rel_err"], 6, msg)
-        self.assertTrue(result["forward"]["chunked_prefill_last_logits"]["top1_equal"], msg)
-        self.assertTrue(result["generate"]["equal"], msg)
-        self.assertLen(result["generate"]["kernel_tokens"], 6)
+            # reference up to float32 accumulation (wgmma: ~4e-4 per GEMM), which reaches the
+            # next FP8 quantizer as bf16 inputs one ulp off: the noise floor's kind, so each
+            # layer's error is bounded in its units (NOISE_MULTIPLE), not by a fixed number.
+            err = np.asarray(f["layer_rel_err"])
+            self.assertTrue(np.all(err <= NOISE_MULTIPLE * floor + NOISE_ABS),
+                            f"{msg}\nkernel / floor per layer: {err / floor}")
+            # The same for the logits' worst cosine: 1 - cos ~ err^2 / 2, so the multiple squared
+            # (the floor's is ~0.9992 on the CPU, where 0.999 used to be the fixed bound).
+            floor_cos = f["noise_floor_logits"]["cosine_min"]
+            self.assertLessEqual(1 - lg["cosine_min"], NOISE_MULTIPLE**2 * (1 - floor_cos), msg)
+            # A greedy pick may flip only where it is a near tie that the noise floor's own logit
+            # difference covers (fidelity.divergence's margin_over_noise_floor).
+            chunked = f["chunked_prefill_last_logits"]
+            for equal, check in ((chunked["top1_equal"], chunked), (g["equal"], g)):
+                if not equal:
+                    d = check["divergence"]
+                    self.assertTrue(d["near_tie"], msg)
+                    self.assertLessEqual(d["margin_over_noise_floor"], NOISE_MULTIPLE, msg)
+        self.assertLen(g["kernel_tokens"], 6)
+
+    def test_seeds_script_prints_a_row_per_seed(self):
+        # scripts/fidelity_seeds.py, what calibrates NOISE_MULTIPLE on a GPU, runs the test's
+        # arguments (on the CPU: kernel errors 0, the floor's as above).
+        spec = importlib.util.spec_from_file_location("fidelity_seeds", SEEDS_SCRIPT)
+        script = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(script)
+        self.assertEqual(script.ARGS, ARGS)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            self.assertEqual(script.main(["--seeds", "2", "--first", str(SEED)]), 0)
+        rows = [line for line in out.getvalue().splitlines() if line.startswith(f"| {SEED}")
+                or line.startswith(f"| {SEED + 1}")]
+        self.assertLen(rows, 2, out.getvalue())
+        cells = [c.strip() for c in rows[0].strip("|").split("|")]
+        self.assertEqual(cells[0], str(SEED))
+        self.assertGreater(float(cells[2]), 1e-3, out.getvalue())  # the floor's largest layer error
+        if not _registry.cuda_capabilities():
+            self.assertEqual(float(cells[1]), 0.0, out.getvalue())
 
     def test_divergence_reports_both_margins(self):
         ref = np.zeros(5)
@@ -65,6 +123,14 @@ class FidelityTest(absltest.TestCase):
         self.assertTrue(fidelity.divergence(ref, ker, 1, 3)["near_tie"])
         ref[1] = 3.0        # the reference prefers token 1 by 1.5, more than any difference (1.1)
         self.assertFalse(fidelity.divergence(ref, ker, 1, 3)["near_tie"])
+        # The noise floor's logits there: its largest difference from the reference, and the
+        # reference's margin (1.5) in units of it.
+        noisy = ref.copy()
+        noisy[4] += 0.6
+        d = fidelity.divergence(ref, ker, 1, 3, noise_logits=noisy)
+        self.assertAlmostEqual(d["noise_floor_max_abs_logit_diff"], 0.6)
+        self.assertAlmostEqual(d["margin_over_noise_floor"], 2.5)
+        self.assertNotIn("noise_floor_max_abs_logit_diff", fidelity.divergence(ref, ker, 1, 3))
 
     def test_generate_mismatch_reports_the_divergence(self):
         # A kernel path whose third greedy token is changed: the check names that token and

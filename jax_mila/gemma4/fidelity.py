@@ -16,6 +16,14 @@ Three checks, one table and one JSON file (``--out``, default $OUT/fidelity.json
 The reference model is the kernel model with every module's ``backend`` set to "reference"
 (``with_backend``): the weights are the same arrays, so any difference is the kernels'.
 On a machine without the kernels (CPU) both paths are the reference and every error is 0.
+
+``--noise-floor`` (one more reference forward) adds what those errors are measured against:
+the reference path against itself with every W4A8 quantizer input's elements moved by one bf16
+ulp at a fixed rate (``NOISE_FLOOR_RATE``, jax_mila.nn.noise). That is the form in which any
+float32-level difference between the paths (accumulation order and precision in the GEMM,
+another tanh in the GeGLU) reaches the FP8 codes, so it gives each layer's error a scale: how
+far such noise alone carries the model by that depth. Reported per layer, for the final logits
+and, where greedy tokens differ, as the largest logit difference it makes at that position.
 """
 
 from __future__ import annotations
@@ -39,9 +47,17 @@ from jax_mila.ffi import _registry
 from jax_mila.gemma4.config import Gemma4Config
 from jax_mila.gemma4.model import Gemma4ForCausalLM
 from jax_mila.gemma4.paths import embedded_checkpoint, model_card
+from jax_mila.nn import noise
 
 
 SIZES = ("tiny", "12b", "e2b", "e4b", "26b-a4b", "31b")
+# Every element: the largest perturbation of that kind (every quantizer input one bf16 ulp off),
+# so a path that differs from the reference only below bf16 resolution should stay near or
+# under the floor. Measured on the tiny model (CPU, 40 tokens, seeds 0, 7, 331020728): three
+# draws differ by < 5% per layer (at a rate of 1e-3, layer 0 ranges over 2e-4..1.5e-3), and a
+# lower rate lowers mainly the first layers: the drift feeds itself through re-quantization
+# (layer 0: 1.2e-3 at rate 1e-3, 8.3e-3 at 1; layer 5: 1.7e-2 and 2.5e-2).
+NOISE_FLOOR_RATE = 1.0
 
 
 # ---- models --------------------------------------------------------------------------------
@@ -96,11 +112,28 @@ def with_backend(model: Gemma4ForCausalLM, backend: str) -> Gemma4ForCausalLM:
 
 # ---- comparisons ---------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _hidden(graphdef, state, ids):
+def _hidden_and_layers(graphdef, state, ids):
     model = nnx.merge(graphdef, state)
     h, _, layers = model.hidden_states(ids, return_layers=True)
     return h, layers
+
+
+_hidden = jax.jit(_hidden_and_layers, static_argnames=("graphdef",))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "rate"))
+def _noisy_hidden(graphdef, state, ids, key, rate):
+    """_hidden with the quantizer noise traced in; the key is an argument, so one compile (and
+    never _hidden's noise-free cache entry: the noise exists only while this traces)."""
+    with noise.quantizer_noise(key, rate):
+        return _hidden_and_layers(graphdef, state, ids)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "rate"))
+def _noisy_forward(graphdef, state, ids, key, rate):
+    """The logits of ``ids`` (generate.forward's) under the quantizer noise."""
+    with noise.quantizer_noise(key, rate):
+        return nnx.merge(graphdef, state)(ids)
 
 
 @jax.jit
@@ -135,9 +168,31 @@ def _cos(a, b) -> float:
     return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-300))
 
 
+def _logit_summary(graphdef, state, h_got, h_want, logit_rows: int) -> dict:
+    """Final-logit statistics of two hidden-state blocks [rows, H], ``logit_rows`` rows at a
+    time: [T, vocab] float32 twice would be 17 GB at 8K x 262144."""
+    rows = h_got.shape[0]
+    block = min(logit_rows, rows)
+    stats = []
+    for start in range(0, rows, block):
+        stop = min(start + block, rows)
+        # A short last block is padded by repeating rows so every block compiles once.
+        idx = np.minimum(np.arange(start, start + block), rows - 1)
+        s = _logit_stats(graphdef, state, h_got[idx], h_want[idx])
+        stats.append({k: np.asarray(v)[: stop - start] for k, v in s.items()})
+    cat = {k: np.concatenate([s[k] for s in stats]) for k in stats[0]}
+    return dict(
+        cosine_mean=float(cat["cos"].mean()), cosine_min=float(cat["cos"].min()),
+        top1_agreement=float(cat["top1"].mean()), max_abs_err=float(cat["max_abs"].max()),
+        rel_err=float(np.sqrt(cat["err2"].sum() / max(cat["ref2"].sum(), 1e-300))),
+        positions=int(rows))
+
+
 def compare_forward(kernel_model, reference_model, ids, *, logit_rows: int = 1024,
-                    prefill_chunk: int | None = None) -> dict:
-    """Kernel path vs reference path on ``ids`` [1, T]; see the module docstring."""
+                    prefill_chunk: int | None = None, noise_key=None) -> dict:
+    """Kernel path vs reference path on ``ids`` [1, T]; see the module docstring. With
+    ``noise_key``, also the noise floor: the reference under NOISE_FLOOR_RATE quantizer noise
+    against the reference (``noise_floor_*``)."""
     ids = jnp.asarray(ids, jnp.int32)
     out = {}
     t0 = time.perf_counter()
@@ -149,24 +204,20 @@ def compare_forward(kernel_model, reference_model, ids, *, logit_rows: int = 102
     hr, lr = jax.block_until_ready(_hidden(gr, sr, ids))
     out["reference_forward_s"] = time.perf_counter() - t0
     out["layer_rel_err"] = [float(e) for e in np.asarray(_layer_errors(lk, lr))]
-    del lk, lr
-    # Logits in blocks of rows: [T, vocab] float32 twice would be 17 GB at 8K x 262144.
-    h_k, h_r = hk.reshape(-1, hk.shape[-1]), hr.reshape(-1, hr.shape[-1])
-    rows = h_k.shape[0]
-    block = min(logit_rows, rows)
-    stats = []
-    for start in range(0, rows, block):
-        stop = min(start + block, rows)
-        # A short last block is padded by repeating rows so every block compiles once.
-        idx = np.minimum(np.arange(start, start + block), rows - 1)
-        s = _logit_stats(gr, sr, h_k[idx], h_r[idx])
-        stats.append({k: np.asarray(v)[: stop - start] for k, v in s.items()})
-    cat = {k: np.concatenate([s[k] for s in stats]) for k in stats[0]}
-    out["logits"] = dict(
-        cosine_mean=float(cat["cos"].mean()), cosine_min=float(cat["cos"].min()),
-        top1_agreement=float(cat["top1"].mean()), max_abs_err=float(cat["max_abs"].max()),
-        rel_err=float(np.sqrt(cat["err2"].sum() / max(cat["ref2"].sum(), 1e-300))),
-        positions=int(rows))
+    del lk
+    h_r = hr.reshape(-1, hr.shape[-1])
+    if noise_key is not None:
+        # After the kernel's layers are freed: the 12B at 8K holds 3 GB of them per path.
+        t0 = time.perf_counter()
+        hn, ln = jax.block_until_ready(_noisy_hidden(gr, sr, ids, noise_key, NOISE_FLOOR_RATE))
+        out["noise_floor_forward_s"] = time.perf_counter() - t0
+        out["noise_floor_rate"] = NOISE_FLOOR_RATE
+        out["noise_floor_layer_rel_err"] = [float(e) for e in np.asarray(_layer_errors(ln, lr))]
+        del ln
+        h_n = hn.reshape(-1, hn.shape[-1])
+        out["noise_floor_logits"] = _logit_summary(gr, sr, h_n, h_r, logit_rows)
+    del lr
+    out["logits"] = _logit_summary(gr, sr, hk.reshape(-1, hk.shape[-1]), h_r, logit_rows)
     if prefill_chunk is not None:
         # The production path: chunked prefill on the kernels, last position's logits.
         want_last = np.asarray(_logits(gr, sr, h_r[-1:]))[0]
@@ -174,17 +225,23 @@ def compare_forward(kernel_model, reference_model, ids, *, logit_rows: int = 102
         got_last, _ = prefill(kernel_model, ids, chunk_size=prefill_chunk)
         got_last = np.asarray(jax.block_until_ready(got_last).astype(jnp.float32))[0]
         out["kernel_chunked_prefill_s"] = time.perf_counter() - t0
-        out["chunked_prefill_last_logits"] = dict(
+        c = out["chunked_prefill_last_logits"] = dict(
             chunk=prefill_chunk, cosine=_cos(got_last, want_last),
             max_abs_err=float(np.abs(got_last - want_last).max()),
             top1_equal=bool(got_last.argmax() == want_last.argmax()))
+        if not c["top1_equal"]:
+            noisy_last = (np.asarray(_logits(gr, sr, h_n[-1:]))[0] if noise_key is not None
+                          else None)
+            c["divergence"] = divergence(want_last, got_last, int(want_last.argmax()),
+                                         int(got_last.argmax()), noise_logits=noisy_last)
     return out
 
 
 def compare_generate(path=None, *, prompt_tokens: int = 48, new_tokens: int = 32,
-                     chunk: int = 16, quantize="w4a8", seed: int = 0) -> dict:
+                     chunk: int = 16, quantize="w4a8", seed: int = 0, noise_key=None) -> dict:
     """Greedy tokens after a chunked kernel prefill vs the reference path's, on a checkpoint
-    (default: the embedded one)."""
+    (default: the embedded one). With ``noise_key``, a mismatch's divergence also holds the
+    noise floor's largest logit difference at that position."""
     from jax_mila.gemma4.loader import from_pretrained
 
     path = embedded_checkpoint() if path is None else path
@@ -207,26 +264,63 @@ def compare_generate(path=None, *, prompt_tokens: int = 48, new_tokens: int = 32
         k = int(diff[0])
         prefix = jnp.concatenate([ids, jnp.asarray(want[None, :k], jnp.int32)], axis=1)
         last = lambda m: np.asarray(forward(m, prefix)[0, -1].astype(jnp.float32))  # noqa: E731
-        out["divergence"] = divergence(last(reference), last(kernel), int(want[k]), int(got[k]))
+        noisy = None
+        if noise_key is not None:
+            noisy = np.asarray(_noisy_forward(*nnx.split(reference), prefix, noise_key,
+                                              NOISE_FLOOR_RATE)[0, -1].astype(jnp.float32))
+        out["divergence"] = divergence(last(reference), last(kernel), int(want[k]), int(got[k]),
+                                       noise_logits=noisy)
     return out
 
 
-def divergence(ref_logits, kernel_logits, ref_token: int, kernel_token: int) -> dict:
+def divergence(ref_logits, kernel_logits, ref_token: int, kernel_token: int,
+               noise_logits=None) -> dict:
     """How far apart the two paths are where their greedy tokens first differ: each path's
     margin for its own token over the other's, the largest logit difference there, and whether
     that is a near tie: the reference prefers its token by no more than the two paths already
     differ by on some logit at that position, so the flip is inside the numerical noise
     between them (FP8 activations rounding differently on the two paths) rather than a sign
-    of a wrong kernel."""
+    of a wrong kernel.
+
+    ``noise_logits``: the reference's logits there under the noise floor's perturbation. Adds
+    their largest difference from the reference's and the reference's margin in units of it
+    (``margin_over_noise_floor``): at most 1, the noise alone moves some logit by as much as
+    the margin, so a flip is inside what float32-level noise at the quantizers does; the kernel
+    path's noise is a calibrated multiple of the floor's (tests/test_fidelity.py)."""
     ref, ker = np.asarray(ref_logits, np.float64), np.asarray(kernel_logits, np.float64)
     out = dict(reference_margin=float(ref[ref_token] - ref[kernel_token]),
                kernel_margin=float(ker[kernel_token] - ker[ref_token]),
                max_abs_logit_diff=float(np.abs(ker - ref).max()))
     out["near_tie"] = out["reference_margin"] <= out["max_abs_logit_diff"]
+    if noise_logits is not None:
+        floor = float(np.abs(np.asarray(noise_logits, np.float64) - ref).max())
+        out["noise_floor_max_abs_logit_diff"] = floor
+        # A margin of 0 is inside any floor, 0 as well; a positive one over a 0 floor is not.
+        out["margin_over_noise_floor"] = (out["reference_margin"] / floor if floor > 0 else
+                                          0.0 if out["reference_margin"] <= 0 else float("inf"))
     return out
 
 
 # ---- report --------------------------------------------------------------------------------
+
+def _layer_rows(errs) -> list[str]:
+    return [f"  layers {i:2d}-{min(i + 8, len(errs)) - 1:2d}: "
+            + " ".join(f"{e:.2e}" for e in errs[i:i + 8]) for i in range(0, len(errs), 8)]
+
+
+def _divergence_line(d: dict) -> str:
+    line = (f"the reference prefers its token by {d['reference_margin']:.4g} logits, the kernel "
+            f"path its own by {d['kernel_margin']:.4g}; largest logit difference "
+            f"{d['max_abs_logit_diff']:.4g}: "
+            + ("a near tie (the reference's margin is inside the paths' logit difference)"
+               if d["near_tie"] else "DIVERGED (the reference's margin exceeds every logit "
+               "difference between the paths)"))
+    if "noise_floor_max_abs_logit_diff" in d:
+        line += (f"; the noise floor moves a logit there by up to "
+                 f"{d['noise_floor_max_abs_logit_diff']:.4g} (margin / that: "
+                 f"{d['margin_over_noise_floor']:.3g})")
+    return line
+
 
 def format_table(result: dict) -> str:
     f, lg = result["forward"], result["forward"]["logits"]
@@ -236,15 +330,25 @@ def format_table(result: dict) -> str:
              f"top-1 agreement {lg['top1_agreement']:.4%}, max |err| {lg['max_abs_err']:.4g}, "
              f"rel err {lg['rel_err']:.3g}",
              "  rel err of each layer's output (kernel vs reference), 8 layers a row:"]
-    errs = f["layer_rel_err"]
-    lines += [f"  layers {i:2d}-{min(i + 8, len(errs)) - 1:2d}: "
-              + " ".join(f"{e:.2e}" for e in errs[i:i + 8]) for i in range(0, len(errs), 8)]
+    lines += _layer_rows(f["layer_rel_err"])
+    if "noise_floor_layer_rel_err" in f:
+        nl = f["noise_floor_logits"]
+        lines.append(f"  noise floor (reference vs itself, every quantizer input's elements one "
+                     f"bf16 ulp off at rate {f['noise_floor_rate']:g}), the same errors:")
+        lines += _layer_rows(f["noise_floor_layer_rel_err"])
+        lines.append(f"  noise floor final logits: cosine min {nl['cosine_min']:.6f}, top-1 "
+                     f"agreement {nl['top1_agreement']:.4%}, max |err| {nl['max_abs_err']:.4g}, "
+                     f"rel err {nl['rel_err']:.3g}")
     if "chunked_prefill_last_logits" in f:
         c = f["chunked_prefill_last_logits"]
         lines.append(f"  chunked prefill ({c['chunk']}/chunk) last logits: cosine {c['cosine']:.6f}, "
                      f"max |err| {c['max_abs_err']:.4g}, top-1 equal {c['top1_equal']}")
+        if "divergence" in c:
+            lines.append("    there " + _divergence_line(c["divergence"]))
     lines.append(f"  time: kernel forward {f['kernel_forward_s']:.1f} s, reference forward "
                  f"{f['reference_forward_s']:.1f} s (compile included)"
+                 + (f", noise floor forward {f['noise_floor_forward_s']:.1f} s"
+                    if "noise_floor_forward_s" in f else "")
                  + (f"; device peak {result['peak_gib']:.1f} GiB" if result.get("peak_gib") else ""))
     if "generate" in result:
         g = result["generate"]
@@ -254,14 +358,8 @@ def format_table(result: dict) -> str:
                      + ("equal to the reference" if g["equal"]
                         else f"DIFFERS from token {g['first_mismatch']}"))
         if "divergence" in g:
-            d = g["divergence"]
-            lines.append(f"    there, one-shot forwards over the common prefix: the reference "
-                         f"prefers its token by {d['reference_margin']:.4g} logits, the kernel "
-                         f"path its own by {d['kernel_margin']:.4g}; largest logit difference "
-                         f"{d['max_abs_logit_diff']:.4g}: "
-                         + ("a near tie (the reference's margin is inside the paths' logit "
-                            "difference)" if d["near_tie"] else "DIVERGED (the reference's margin "
-                            "exceeds every logit difference between the paths)"))
+            lines.append("    there, one-shot forwards over the common prefix: "
+                         + _divergence_line(g["divergence"]))
     lines += [f"  kernel: {v}" for v in result.get("kernels", {}).values()]
     lines += [f"  fallback: {v}" for v in result.get("fallbacks", [])]
     # "| " rows: what scripts/gpu_round.sh shows of a benchmark's output.
@@ -279,6 +377,9 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=2048,
                    help="chunk of the kernel prefill compared at the last position (0: skip)")
     p.add_argument("--generate-tokens", type=int, default=32, help="0: skip the generate check")
+    p.add_argument("--noise-floor", action="store_true",
+                   help="also the reference against itself under one-ulp quantizer noise (one "
+                        "more reference forward; see NOISE_FLOOR_RATE)")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/fidelity.json)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -294,11 +395,12 @@ def main(argv=None) -> int:
                   random_init=("jax_mila.gemma4.random_init" if _has_random_init()
                                else "nnx initializers"),
                   forward=compare_forward(kernel, reference, ids, logit_rows=args.logit_rows,
-                                          prefill_chunk=chunk))
+                                          prefill_chunk=chunk,
+                                          noise_key=_noise_key(args, 0)))
     del kernel, reference
     if args.generate_tokens:
         result["generate"] = compare_generate(new_tokens=args.generate_tokens, seed=args.seed,
-                                              quantize=quantize)
+                                              quantize=quantize, noise_key=_noise_key(args, 1))
     stats = jax.devices()[0].memory_stats() or {}
     result["peak_gib"] = (stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats
                           else None)
@@ -311,6 +413,11 @@ def main(argv=None) -> int:
         json.dump(result, f, indent=1)
     print(f"wrote {out}")
     return 0 if result.get("generate", {}).get("equal", True) else 1
+
+
+def _noise_key(args, use: int):
+    """The noise floor's key for one of its uses (the forward, generate), from --seed."""
+    return jax.random.fold_in(jax.random.key(args.seed), use) if args.noise_floor else None
 
 
 def _has_random_init() -> bool:

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_mila import nn
+from jax_mila import nn, reference
+from jax_mila.nn import noise
 from jax_mila.nn.linear import quantized_ops
 from jax_mila.parallel.tensor import active_axis as tensor_parallel_axis
 from jax_mila.parallel.tensor import reduce_partial_sums
@@ -56,7 +57,13 @@ class Gemma4MLP(nnx.Module):
         g, u = nn.project(self.gate_proj, x), nn.project(self.up_proj, x)
         if self.fuses_geglu():
             rows = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731 - the op takes rank >= 2
-            q, s = quantized_ops(self.down_proj.backend).quantize_geglu(rows(g), rows(u))
+            ops = quantized_ops(self.down_proj.backend)
+            if noise.active():
+                # The probe perturbs the quantizer's input, which the fused op never forms: the
+                # reference GeGLU forms it (the same bf16 values, so the same codes unperturbed).
+                q, s = ops.quantize_activations(noise.perturb(reference.geglu(rows(g), rows(u))))
+            else:
+                q, s = ops.quantize_geglu(rows(g), rows(u))
             return self.down_proj.matmul_quantized(q, s).reshape(*x.shape[:-1], -1)
         # down_proj is row-parallel under tensor parallelism: its partial sums are all-reduced.
         return reduce_partial_sums(self.down_proj(gelu_tanh(g) * u))

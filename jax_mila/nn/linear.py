@@ -29,6 +29,7 @@ from flax import nnx
 
 from jax_mila import ffi, reference
 from jax_mila.ffi._registry import log_fallback
+from jax_mila.nn import noise
 from jax_mila.nn.backend import check_backend
 from jax_mila.parallel.tensor import active_axis as tensor_parallel_axis
 from jax_mila.quant.mxfp4 import MXFP4Weight, quantize_mxfp4
@@ -66,10 +67,14 @@ def shares_quantized_input(*linears: "Linear") -> bool:
     """Whether these projections of one activation may take it quantized once, outside them
     (QuantizedRows), and compute what they compute from the activation itself: every one W4A8
     (its input is quantized at all), all on one backend (by the same ops: quantized_ops), and no
-    tensor parallelism (kept out: the layers under it quantize inside their shard_map)."""
+    tensor parallelism (kept out: the layers under it quantize inside their shard_map), and no
+    noise.quantizer_noise (the probe perturbs each projection's own quantizer input, in _w4a8;
+    the fused norm + quantizer's reference is the unfused expression, so only the noise moves).
+    """
     return (all(lin.quantize == "w4a8" for lin in linears)
             and len({lin.backend for lin in linears}) == 1
-            and tensor_parallel_axis() is None)
+            and tensor_parallel_axis() is None
+            and not noise.active())
 
 
 class MXFP4Param(nnx.Variable):
@@ -199,7 +204,8 @@ class Linear(nnx.Module):
         # to bf16 first, which costs far less than the FP8 rounding that follows.
         # Sizes from the arrays, not the attributes: under tensor parallelism (shard_map) this
         # layer holds a slice of its weight (jax_mila/parallel/tensor.py).
-        rows = x.astype(jnp.bfloat16).reshape(-1, x.shape[-1])
+        # noise.perturb: the identity, except inside noise.quantizer_noise (a sensitivity probe).
+        rows = noise.perturb(x.astype(jnp.bfloat16).reshape(-1, x.shape[-1]))
         axis = tensor_parallel_axis()
         if axis is not None and x.shape[-1] != self.in_features:
             # Row-parallel under tensor parallelism: this device holds a slice of each row. Scale
