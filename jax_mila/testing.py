@@ -251,16 +251,8 @@ def geglu_quantization_problem(gate, up, q, scale, *, tanh_error: float = GEGLU_
             bad_codes.append(f"[{r0 + r}, {col}] gate {g[r0 + r, col]!r} up {u[r0 + r, col]!r}: "
                              f"code {qr[r, col]!r}, admissible [{c.code_lo[r, col]!r}, "
                              f"{c.code_hi[r, col]!r}] (h in [{h_lo[r, col]!r}, {h_hi[r, col]!r}])")
-    if not bad_rows and not bad_codes:
-        return None
-    parts = []
-    if bad_rows:
-        parts.append(f"{len(bad_rows)} of {s.size} rows have an inadmissible scale: "
-                     + "; ".join(bad_rows[:max_listed]))
-    if bad_codes:
-        parts.append(f"{len(bad_codes)} of {qv.size} codes outside their interval: "
-                     + "; ".join(bad_codes[:max_listed]))
-    return " | ".join(parts)
+    return _problem_report(((bad_rows, s.size, "rows have an inadmissible scale"),
+                            (bad_codes, qv.size, "codes outside their interval")), max_listed)
 
 
 # ---- add_rms_norm_quantize's interval oracle -------------------------------------------------
@@ -372,16 +364,16 @@ def add_rms_norm_quantization_problem(x, branch, result, *, branch_weight=None, 
             bad_codes.append(f"[{r0 + r}, {col}] {what} {v[r, col]!r}: code {qr[r, col]!r}, "
                              f"admissible [{c.code_lo[r, col]!r}, {c.code_hi[r, col]!r}] "
                              f"(normed value in [{y_lo[r, col]!r}, {y_hi[r, col]!r}])")
-    parts = []
-    if bad_h:
-        parts.append(f"{len(bad_h)} of {xv.size} elements of h outside their interval: "
-                     + "; ".join(bad_h[:max_listed]))
-    if bad_rows:
-        parts.append(f"{len(bad_rows)} of {s.size} rows have an inadmissible scale: "
-                     + "; ".join(bad_rows[:max_listed]))
-    if bad_codes:
-        parts.append(f"{len(bad_codes)} of {qv.size} codes outside their interval: "
-                     + "; ".join(bad_codes[:max_listed]))
+    return _problem_report(((bad_h, xv.size, "elements of h outside their interval"),
+                            (bad_rows, s.size, "rows have an inadmissible scale"),
+                            (bad_codes, qv.size, "codes outside their interval")), max_listed)
+
+
+def _problem_report(groups, max_listed: int) -> str | None:
+    """An oracle's verdict: None, or per non-empty group of (failures, out of how many, what
+    failed) its count and first ``max_listed`` entries."""
+    parts = [f"{len(items)} of {total} {what}: " + "; ".join(items[:max_listed])
+             for items, total, what in groups if items]
     return " | ".join(parts) if parts else None
 
 
