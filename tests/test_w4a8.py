@@ -162,8 +162,8 @@ class W4A8ReferenceTest(parameterized.TestCase):
             self.assertEqual(w4a8_module._variant("auto"), 1)
 
 
-KERNELS = ["auto", "mma_sync", "wgmma", "wgmma_ws"]
-HOPPER_KERNELS = ("wgmma", "wgmma_ws")  # sm_90a only
+KERNELS = ["auto", "mma_sync", "wgmma", "wgmma_ws", "wgmma_ws_dp"]
+HOPPER_KERNELS = ("wgmma", "wgmma_ws", "wgmma_ws_dp")  # sm_90a only
 
 # Relative Frobenius error bound (float32 output, against the float32 reference or the float64
 # product) per kernel. mma_sync accumulates in float32: 2e-6. wgmma: Hopper's FP8 wgmma adds at
@@ -171,8 +171,8 @@ HOPPER_KERNELS = ("wgmma", "wgmma_ws")  # sm_90a only
 # expected ~1e-4 at any K. 4e-4 holds it with margin while the unpromoted kernel (1.6e-3 at
 # K=15360, measured on the H200) fails test_accuracy_k15360. wgmma_ws: the same promotion over
 # 256-long chunks (passed both bounds on the H200).
-F32_TOL = {"mma_sync": 2e-6, "wgmma": 4e-4, "wgmma_ws": 4e-4}
-K15360_TOL = {"mma_sync": 1e-5, "wgmma": 4e-4, "wgmma_ws": 4e-4}
+F32_TOL = {"mma_sync": 2e-6, "wgmma": 4e-4, "wgmma_ws": 4e-4, "wgmma_ws_dp": 4e-4}
+K15360_TOL = {"mma_sync": 1e-5, "wgmma": 4e-4, "wgmma_ws": 4e-4, "wgmma_ws_dp": 4e-4}
 
 
 def _resolve(kernel: str) -> str:
@@ -311,6 +311,24 @@ class W4A8KernelTest(parameterized.TestCase):
         for kernel in KERNELS:
             if kernel not in HOPPER_KERNELS or testing.compute_capability() == (9, 0):
                 self._check(16500, 256, 256, kernel)
+
+    @parameterized.named_parameters(
+        # On an H200 (132 SMs; other GPUs cut these differently, as correctly):
+        # 2 tiles of 32 K tiles: 8 CTAs of 8, each tile one owner and three later pieces;
+        dict(testcase_name="few_tiles_long_k", mnk=(100, 136, 4096)),
+        # 6 tiles of 13 K tiles (an odd count): runs of 8 that cross tiles, so a CTA's first
+        # piece (5 K tiles: a one-tile chain at its end) feeds one tile and its second owns the
+        # next; N and M tails in the split tiles;
+        dict(testcase_name="odd_pieces", mnk=(300, 264, 1664)),
+        # 155 tiles: one whole wave on every SM, then the other 23 tiles' 16 K tiles in runs of 8
+        # over 46 CTAs.
+        dict(testcase_name="wave_then_stream_k", mnk=(1100, 3848, 2048)),
+    )
+    def test_stream_k(self, mnk):
+        # wgmma_ws splits the last wave's tiles along K (csrc/w4a8/w4a8_sm90_ws.cu, "schedule");
+        # wgmma_ws_dp runs the same kernel on whole tiles. Both against the reference.
+        for kernel in ("wgmma_ws", "wgmma_ws_dp"):
+            self._check(*mnk, kernel)
 
     @parameterized.parameters(*KERNELS)
     def test_more_tiles_than_sms(self, kernel):

@@ -119,6 +119,20 @@ __device__ __forceinline__ void named_barrier_sync_unaligned(int id, int nthread
   asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
 }
 
+// ---- flags between CTAs (w4a8 stream-K) -------------------------------------
+
+// A 32-bit flag in global memory, read with acquire / written with release at GPU scope: the
+// writer's earlier global stores (of every thread that synchronized with it first, by
+// cumulativity) are visible to a reader that saw the value.
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
 }  // namespace mila::ptx
 
 // ---- w4a8 (FP8 activations x MXFP4 weights) --------------------------------
@@ -141,6 +155,14 @@ __device__ __forceinline__ int thread_index() {
   int t;
   asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
   return t;
+}
+
+// v through a register move the compiler cannot see through: what is computed from it is
+// recomputed where it is needed instead of being held in registers from an earlier use.
+__device__ __forceinline__ int opaque(int v) {
+  int r;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(r) : "r"(v));
+  return r;
 }
 
 // Byte permute: d.byte[i] = {b:a}.byte[sel nibble i] (nibble bit 3 = replicate that byte's sign

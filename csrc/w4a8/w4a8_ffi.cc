@@ -1,6 +1,7 @@
 // FFI handler of the W4A8 GEMM. Validates again what the Python wrapper validated at trace time
 // (dtypes, shapes, supported N and K, alignment, device); every failure is an ffi::Error.
-// No allocations, one kernel launch: CUDA-graph compatible.
+// No allocations (wgmma_ws's stream-K scratch is a second result that XLA allocates); at most a
+// memset of its flags and one kernel launch: CUDA-graph compatible.
 #include <cstdint>
 
 #include "common/ffi_helpers.h"
@@ -14,7 +15,8 @@ constexpr const char* kOp = "w4a8_matmul";
 ffi::Error W4A8MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x,
                           ffi::Buffer<ffi::F32> x_scale, ffi::Buffer<ffi::U8> packed,
                           ffi::Buffer<ffi::U8> scales, ffi::Buffer<ffi::U8> channel_exp,
-                          ffi::Result<ffi::AnyBuffer> out, int64_t variant) {
+                          ffi::Result<ffi::AnyBuffer> out,
+                          ffi::Result<ffi::AnyBuffer> workspace, int64_t variant) {
   // x is an AnyBuffer (this FFI header has no native type for F8E4M3FN arguments).
   if (x.element_type() != ffi::DataType::F8E4M3FN) {
     return InvalidArgument(kOp, "x_fp8: dtype must be float8_e4m3fn (FFI dtype ",
@@ -70,17 +72,25 @@ ffi::Error W4A8MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x,
   if (reinterpret_cast<uintptr_t>(scales.untyped_data()) % 4 != 0) {
     return InvalidArgument(kOp, "w.scales: buffer must be 4-byte aligned");
   }
-  if (variant < 0 || variant > 3) {
+  if (variant < 0 || variant > 4) {
     return InvalidArgument(kOp, "variant=", variant,
-                           " (0 auto, 1 mma.sync, 2 wgmma, 3 warp-specialized wgmma)");
+                           " (0 auto, 1 mma.sync, 2 wgmma, 3 warp-specialized wgmma, 4 the same "
+                           "without stream-K)");
+  }
+  if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1) {
+    return InvalidArgument(kOp, "workspace: expected a uint8 vector, got FFI dtype ",
+                           static_cast<int>(workspace->element_type()), " shape ",
+                           ShapeString(workspace->dimensions()));
+  }
+  if (reinterpret_cast<uintptr_t>(workspace->untyped_data()) % 16 != 0) {
+    return InvalidArgument(kOp, "workspace: buffer must be 16-byte aligned");
   }
   const int cc = CurrentComputeCapability();
   if (cc < kW4A8MinComputeCapability) {
     return Unimplemented(kOp, "needs FP8 tensor cores (compute capability >= 8.9), this device is ",
                          cc / 10, ".", cc % 10, "; jax_mila routes such devices to the reference");
   }
-  if ((static_cast<W4A8Variant>(variant) == W4A8Variant::kWgmma ||
-       static_cast<W4A8Variant>(variant) == W4A8Variant::kWgmmaWs) && cc != 90) {
+  if (variant >= static_cast<int64_t>(W4A8Variant::kWgmma) && cc != 90) {
     return Unimplemented(kOp, "the wgmma kernel needs compute capability 9.0, this device is ",
                          cc / 10, ".", cc % 10);
   }
@@ -91,6 +101,8 @@ ffi::Error W4A8MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x,
   args.scales = scales.typed_data();
   args.channel_exp = channel_exp.typed_data();
   args.out = out->untyped_data();
+  args.workspace = workspace->untyped_data();
+  args.workspace_bytes = static_cast<int64_t>(workspace->size_bytes());
   args.out_f32 = out_f32;
   args.m = m;
   args.n = static_cast<int>(n);
@@ -110,5 +122,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MilaW4A8Matmul, mila::W4A8MatmulImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()        // scales [N, K/32]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()        // channel_exp [N]
                                   .Ret<xla::ffi::AnyBuffer>()                   // out [M, N] bf16/f32
+                                  .Ret<xla::ffi::AnyBuffer>()                   // workspace u8
                                   .Attr<int64_t>("variant"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -27,6 +27,10 @@ constexpr int kW4A8KMultiple = 128;
 constexpr int kW4A8NMultiple = 8;
 // Minimum compute capability (10 * major + minor) of the FP8 mma.
 constexpr int kW4A8MinComputeCapability = 89;
+// wgmma_ws's stream-K workspace (jax_mila/ffi/w4a8.py sizes it): flags of up to 512 CTAs, then
+// per CTA one float32 partial of its 128 x 256 output tile.
+constexpr int64_t kW4A8FlagBytes = 4096;
+constexpr int64_t kW4A8SlotBytes = 128 * 256 * 4;
 
 struct W4A8Args {
   const uint8_t* x;            // float8_e4m3fn [M, K]
@@ -35,15 +39,21 @@ struct W4A8Args {
   const uint8_t* scales;       // [N, K / 32], e8m0
   const uint8_t* channel_exp;  // [N], max over blocks of scales
   void* out;                   // [M, N], bfloat16 or float32 (out_f32)
+  // Scratch of the stream-K schedule (wgmma_ws only): kW4A8FlagBytes of flags, then one
+  // kW4A8SlotBytes partial tile per stream-K CTA. Fewer slots than SMs only narrow the schedule.
+  void* workspace = nullptr;
+  int64_t workspace_bytes = 0;
   bool out_f32;
   int64_t m;
   int n;
   int k;
 };
 
-// Which kernel runs: kAuto picks wgmma on compute capability 9.0, mma.sync otherwise.
-// kWgmmaWs: the warp-specialized sm_90a kernel (TMA producer, persistent; w4a8_sm90_ws.cu).
-enum class W4A8Variant : int { kAuto = 0, kMmaSync = 1, kWgmma = 2, kWgmmaWs = 3 };
+// Which kernel runs: kAuto picks wgmma_ws on compute capability 9.0, mma.sync otherwise.
+// kWgmmaWs: the warp-specialized sm_90a kernel (TMA producer, persistent, stream-K for the tiles
+// of the last wave; w4a8_sm90_ws.cu); kWgmmaWsDp: the same kernel on whole tiles only (the
+// data-parallel schedule, for comparison).
+enum class W4A8Variant : int { kAuto = 0, kMmaSync = 1, kWgmma = 2, kWgmmaWs = 3, kWgmmaWsDp = 4 };
 
 // Requires k % 128 == 0, n % 8 == 0, 16-byte aligned pointers for x, packed and out, and
 // compute capability >= 8.9 (`cc`, 10 * major + minor); kWgmma (and kAuto on cc 90) requires
@@ -53,6 +63,7 @@ cudaError_t LaunchW4A8Matmul(const W4A8Args& args, W4A8Variant variant, int cc,
                              cudaStream_t stream);
 
 // The kWgmmaWs kernel (w4a8_sm90_ws.cu); LaunchW4A8Matmul's checks apply, and cc must be 90.
-cudaError_t LaunchW4A8WgmmaWs(const W4A8Args& args, cudaStream_t stream);
+// stream_k: split the last wave's tiles along K over all SMs (needs args.workspace).
+cudaError_t LaunchW4A8WgmmaWs(const W4A8Args& args, bool stream_k, cudaStream_t stream);
 
 }  // namespace mila

@@ -151,12 +151,87 @@ struct RingPos {
   }
 };
 
+// ---- schedule ---------------------------------------------------------------------------------
+//
+// Whole tiles [0, dp_tiles) go round-robin, one per CTA and wave (data-parallel). The tiles of
+// the last, partial wave are cut along K (stream-K): their K tiles, counted tile after tile, are
+// dealt out in runs of sk_share to CTAs 0 .. sk_ctas - 1, so that every SM works until the end
+// instead of a third of them idling through the last wave (480 tiles of the 12B's down_proj at
+// M = 4096 are 3.64 waves on 132 SMs). A run that starts inside a tile (k0 > 0) is its CTA's
+// first stream-K piece: it leaves a float32 partial in the CTA's workspace slot and raises the
+// slot's flag. The run holding k = 0 of a tile (its owner) ends its CTA's list, since the tile
+// goes on past it, and adds the later runs' partials, in CTA order, before the epilogue. An owner
+// thus waits only for the first pieces of higher CTAs, which wait for nobody: no cycle, with
+// every CTA resident (grid <= SMs, one CTA per SM).
+struct Schedule {
+  int dp_tiles;
+  int sk_ctas;   // 0: no stream-K
+  int sk_share;  // K tiles per stream-K CTA, fewer than a tile's
+  int sk_iters;  // K tiles of all stream-K tiles
+};
+
+// A CTA's unit of work: K tiles [k0, k1) of output tile `tile` (raster order).
+struct Piece {
+  int tile, k0, k1;
+};
+
+// This CTA's pieces, walked with one int (the consumers hold it across their main loop, where
+// every register counts): a whole tile t < dp_tiles, or dp_tiles + the stream-K K tile the piece
+// starts at, or -1 past the last piece. The producer and the consumers walk the same list.
+__device__ __forceinline__ int sk_begin(const Schedule& s) {
+  return static_cast<int>(blockIdx.x) < s.sk_ctas ? static_cast<int>(blockIdx.x) * s.sk_share
+                                                   : 0;
+}
+__device__ __forceinline__ int sk_end(const Schedule& s) {
+  return static_cast<int>(blockIdx.x) < s.sk_ctas ? min(sk_begin(s) + s.sk_share, s.sk_iters) : 0;
+}
+__device__ __forceinline__ int first_piece(const Schedule& s) {
+  if (static_cast<int>(blockIdx.x) < s.dp_tiles) return blockIdx.x;
+  return sk_begin(s) < sk_end(s) ? s.dp_tiles + sk_begin(s) : -1;
+}
+__device__ __forceinline__ Piece piece_at(const Schedule& s, int kt_count, int cursor) {
+  if (cursor < s.dp_tiles) return {cursor, 0, kt_count};
+  const int it = cursor - s.dp_tiles, u = it / kt_count, k0 = it - u * kt_count;
+  return {s.dp_tiles + u, k0, min(kt_count, k0 + sk_end(s) - it)};
+}
+__device__ __forceinline__ int next_piece(const Schedule& s, int cursor, const Piece& p) {
+  if (cursor < s.dp_tiles) {
+    const int t = cursor + static_cast<int>(gridDim.x);
+    if (t < s.dp_tiles) return t;
+    return sk_begin(s) < sk_end(s) ? s.dp_tiles + sk_begin(s) : -1;
+  }
+  const int it = cursor - s.dp_tiles + p.k1 - p.k0;
+  return it < sk_end(s) ? s.dp_tiles + it : -1;
+}
+
+// Stream-K scratch: flags [CTA][consumer warpgroup], then per CTA the partial sums of its two
+// consumer warpgroups, float4 [warpgroup][32][128 threads] (thread-contiguous: coalesced).
+__device__ __forceinline__ uint32_t* sk_flag(const W4A8Args& args, int cta, int cw) {
+  return static_cast<uint32_t*>(args.workspace) + 2 * cta + cw;
+}
+__device__ __forceinline__ float4* sk_slot(const W4A8Args& args, int cta, int cw, int wtid) {
+  return reinterpret_cast<float4*>(static_cast<uint8_t*>(args.workspace) + kW4A8FlagBytes) +
+         (static_cast<size_t>(cta) * 2 + cw) * 32 * 128 + wtid;
+}
+// Spins until another CTA has raised `flag` (acquire), with the mbarrier waits' watchdog.
+__device__ __forceinline__ void wait_flag(const uint32_t* flag) {
+  if (ptx::ld_acquire_gpu(flag) != 0) return;
+  const uint64_t t0 = global_timer_ns();
+  while (ptx::ld_acquire_gpu(flag) == 0) {
+    __nanosleep(64);
+    if constexpr (MILA_W4A8_WS_WATCHDOG_NS > 0) {
+      if (global_timer_ns() - t0 > MILA_W4A8_WS_WATCHDOG_NS) __trap();
+    }
+  }
+}
+
 // ---- kernel ---------------------------------------------------------------------------------
 
 template <typename OutT>
 __global__ void __launch_bounds__(kThreads, 1)
     w4a8_wgmma_ws_kernel(const __grid_constant__ CUtensorMap tmap_x,
-                         const __grid_constant__ CUtensorMap tmap_w, const W4A8Args args) {
+                         const __grid_constant__ CUtensorMap tmap_w, const W4A8Args args,
+                         const Schedule sched) {
 #if defined(__CUDA_ARCH__) && defined(MILA_HAS_SM90A)
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_base = ptx::smem_addr(smem_raw);
@@ -170,7 +245,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t M = args.m;
   const int tiles_m = static_cast<int>((M + kBM - 1) / kBM);
   const int tiles_n = (N + kBN - 1) / kBN;
-  const int tiles = tiles_m * tiles_n;
   const int kt_count = K / kBK;
 
   if (tid == 0) {
@@ -194,14 +268,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 #ifdef MILA_W4A8_WS_TIMING_ONLY
     bool timing_only_filled = false;
 #endif
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    for (int cursor = first_piece(sched); cursor >= 0;) {
+      const Piece piece = piece_at(sched, kt_count, cursor);
+      cursor = next_piece(sched, cursor, piece);
       int tm, tn;
-      tile_coords(tile, tiles_m, tiles_n, kGroupM, tm, tn);
+      tile_coords(piece.tile, tiles_m, tiles_n, kGroupM, tm, tn);
       const int n0 = tn * kBN;
       // Byte offset of this lane's first exponent row of the tile (rows tid + 32 i below;
       // 32-bit: the launcher refuses N * K / 32 >= 2^31, and the producer has 24 registers).
       const uint32_t lane_scales = static_cast<uint32_t>(n0 + tid) * static_cast<uint32_t>(K / 32);
-      for (int kt = 0; kt < kt_count; ++kt, pos.advance()) {
+      for (int kt = piece.k0; kt < piece.k1; ++kt, pos.advance()) {
         const uint32_t s = pos.stage;
         // A fresh barrier counts as having completed the pass before pass 0 (parity 1), so the
         // first kStages waits return at once.
@@ -259,9 +335,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wrow0 = cw * 64 + wwarp * 16 + g;  // tile-local weight rows wrow0, wrow0 + 8
 
   RingPos pos;
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+  for (int cursor = first_piece(sched); cursor >= 0;) {
+    const Piece piece = piece_at(sched, kt_count, cursor);
     int tm, tn;
-    tile_coords(tile, tiles_m, tiles_n, kGroupM, tm, tn);
+    tile_coords(piece.tile, tiles_m, tiles_n, kGroupM, tm, tn);
+    // A whole tile, or the piece that owns a split one, stores the tile; the others leave
+    // their partial sums to the owner.
+    const bool stores_tile = piece.k0 == 0;
     const int64_t m0 = static_cast<int64_t>(tm) * kBM;
     const int n0 = tn * kBN;
     RowLut lut[2];
@@ -273,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Stage the tile's row scales for the epilogue now, with cp.async so that the main loop
     // does not wait for them (rows >= M: zeros). Every thread of this warpgroup has passed the
     // previous tile's last read of s_xs (the barrier before its stores) before getting here.
-    if constexpr (!std::is_same_v<OutT, float>) {
+    if constexpr (!std::is_same_v<OutT, float>) if (stores_tile) {
       const uint32_t s_xs_addr = smem_base + kXsOffset + cw * kBM * 4;
 #pragma unroll
       for (int i = 0; i < kBM / 128; ++i) {
@@ -388,10 +468,45 @@ __global__ void __launch_bounds__(kThreads, 1)
         ptx::sm90::mbar_arrive(empty_bar + 8 * st[c]);
       }
     };
-    int kt = 0;
-    for (; kt + kChainTiles <= kt_count; kt += kChainTiles)
+    // Counted down: one register across the chains (the piece's bounds are not held).
+    int left = piece.k1 - piece.k0;
+    for (; left >= kChainTiles; left -= kChainTiles)
       chain(std::integral_constant<int, kChainTiles>{});
-    for (; kt < kt_count; ++kt) chain(std::integral_constant<int, 1>{});  // odd K / 128
+    if (left > 0) chain(std::integral_constant<int, 1>{});  // odd piece length
+    // The piece again from the cursor (an opaque copy: recomputed, not held in registers).
+    const Piece done = piece_at(sched, kt_count, ptx::w4a8::opaque(cursor));
+    cursor = next_piece(sched, cursor, done);
+
+    if (done.k0 != 0) {
+      // This CTA's first stream-K piece: publish the partial sums for the tile's owner.
+      float4* slot = sk_slot(args, blockIdx.x, cw, wtid);
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        __stcg(slot + 128 * j, make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2],
+                                           acc[4 * j + 3]));
+      ptx::named_barrier_sync(1 + cw, 128);  // the whole warpgroup's stores, then the release
+      if (wtid == 0) ptx::st_release_gpu(sk_flag(args, blockIdx.x, cw), 1u);
+      continue;
+    }
+    if (done.k1 < kt_count) {
+      // The owner of a split tile: add the partials of the CTAs that ran the rest of its K.
+      const int first = (done.tile - sched.dp_tiles) * kt_count;
+      const int last_cta = (first + kt_count - 1) / sched.sk_share;
+      for (int c = blockIdx.x + 1; c <= last_cta; ++c) {
+        wait_flag(sk_flag(args, c, cw));
+        const float4* slot = sk_slot(args, c, cw, wtid);
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          // At most 8 loads (32 registers) in flight: the masters hold 128 of the 240.
+          if (j % 8 == 0) asm volatile("" ::: "memory");
+          const float4 v = __ldcg(slot + 128 * j);
+          acc[4 * j] += v.x;
+          acc[4 * j + 1] += v.y;
+          acc[4 * j + 2] += v.z;
+          acc[4 * j + 3] += v.w;
+        }
+      }
+    }
 
     // Epilogue: acc[4j + e] = y^T[weight row wrow0 (+8 if e >= 2)][activation row 8j + 2q
     // (+1 if e odd)].
@@ -467,8 +582,32 @@ cudaError_t EncodeMap(CUtensorMap* map, const void* base, uint64_t rows, uint64_
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// Stream-K only where it pays: each piece at least kMinStreamKTiles K tiles long (a partial
+// costs its owner a 128 KB read from L2, ~1 us), and the last wave at least kMinStreamKSaving
+// K tiles shorter than a whole tile.
+constexpr int kMinStreamKTiles = 8;
+constexpr int kMinStreamKSaving = 4;
+constexpr int kMaxStreamKCtas = static_cast<int>(kW4A8FlagBytes / 8);  // two flags of 4 bytes
+
+// The schedule of `tiles` output tiles of kt_count K tiles each on `sms` CTAs, stream-K over at
+// most `slots` CTAs (0: whole tiles only).
+Schedule PlanSchedule(int64_t tiles, int kt_count, int sms, int64_t slots) {
+  Schedule s{static_cast<int>(tiles), 0, 0, 0};
+  const int64_t rest = tiles % sms;
+  const int64_t ctas = std::min<int64_t>({sms, slots, kMaxStreamKCtas});
+  if (rest == 0 || ctas <= 0) return s;
+  const int64_t iters = rest * kt_count;
+  const int64_t share = std::max<int64_t>((iters + ctas - 1) / ctas, kMinStreamKTiles);
+  if (share > kt_count - kMinStreamKSaving) return s;
+  s.dp_tiles = static_cast<int>(tiles - rest);
+  s.sk_share = static_cast<int>(share);
+  s.sk_iters = static_cast<int>(iters);
+  s.sk_ctas = static_cast<int>((iters + share - 1) / share);
+  return s;
+}
+
 template <typename OutT>
-cudaError_t LaunchTyped(const W4A8Args& args, cudaStream_t stream) {
+cudaError_t LaunchTyped(const W4A8Args& args, bool stream_k, cudaStream_t stream) {
   // TMA coordinates are int32; tile counts fit an int.
   if (args.m > INT32_MAX - kBM) return cudaErrorInvalidConfiguration;
   const int64_t tiles = ((args.m + kBM - 1) / kBM) * ((args.n + kBN - 1) / kBN);
@@ -494,17 +633,29 @@ cudaError_t LaunchTyped(const W4A8Args& args, cudaStream_t stream) {
   auto kernel = w4a8_wgmma_ws_kernel<OutT>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, sms));
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(tmap_x, tmap_w, args);
+  const int64_t slots =
+      stream_k && args.workspace != nullptr && args.workspace_bytes > kW4A8FlagBytes
+          ? (args.workspace_bytes - kW4A8FlagBytes) / kW4A8SlotBytes
+          : 0;
+  const Schedule sched = PlanSchedule(tiles, args.k / kBK, sms, slots);
+  if (sched.sk_ctas > 0) {
+    // Flags down; a stream operation, so it is captured with the launch into a CUDA graph.
+    err = cudaMemsetAsync(args.workspace, 0, static_cast<size_t>(sched.sk_ctas) * 8, stream);
+    if (err != cudaSuccess) return err;
+  }
+  // Every CTA gets a whole tile per full wave; with no full wave, the stream-K CTAs only.
+  const unsigned grid = static_cast<unsigned>(
+      sched.dp_tiles > 0 ? std::min<int64_t>(tiles, sms) : std::max(sched.sk_ctas, 1));
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(tmap_x, tmap_w, args, sched);
   return cudaGetLastError();
 }
 
 }  // namespace ws
 }  // namespace
 
-cudaError_t LaunchW4A8WgmmaWs(const W4A8Args& args, cudaStream_t stream) {
-  return args.out_f32 ? ws::LaunchTyped<float>(args, stream)
-                      : ws::LaunchTyped<__nv_bfloat16>(args, stream);
+cudaError_t LaunchW4A8WgmmaWs(const W4A8Args& args, bool stream_k, cudaStream_t stream) {
+  return args.out_f32 ? ws::LaunchTyped<float>(args, stream_k, stream)
+                      : ws::LaunchTyped<__nv_bfloat16>(args, stream_k, stream);
 }
 
 }  // namespace mila

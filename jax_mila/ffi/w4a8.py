@@ -14,7 +14,11 @@ Kernels (``kernel=``): "mma_sync" (m16n8k32 FP8 mma.sync: native on sm_89 / sm_1
 ptxas lowers FP8 mma.sync to fp16 HMMA, about half the FP8 rate) and "wgmma" (sm_90a only:
 wgmma.m64n128k32 FP8 with the converted weights as the register operand) and "wgmma_ws" (sm_90a
 only: the same math, warp-specialized: a TMA producer warpgroup with an mbarrier ring, two
-consumer warpgroups, persistent tile scheduling; csrc/w4a8/w4a8_sm90_ws.cu). "auto" (default) runs
+consumer warpgroups, persistent tile scheduling, and stream-K for the tiles of the last partial
+wave: their K range is split over all SMs and the pieces' float32 partial sums are added, in a
+fixed order, by the piece that holds k = 0; the scratch for them is a second result of the custom
+call, one 128 KiB slot per SM; csrc/w4a8/w4a8_sm90_ws.cu). "wgmma_ws_dp" is wgmma_ws on whole
+tiles only (its schedule before stream-K, kept for comparison). "auto" (default) runs
 wgmma_ws on compute capability 9.0 when this build has sm_90a code (JAX_MILA_CUDA_ARCHS includes
 90a, the default), mma_sync otherwise; ``auto_kernel()`` says which one for this process
 (AUTO_WGMMA_ON_SM90 = False turns the wgmma choice off). Hopper's FP8 wgmma accumulates at
@@ -62,7 +66,13 @@ K_MULTIPLE = 128  # the kernel's K tile
 N_MULTIPLE = 8  # 16-byte output rows per store group
 MIN_COMPUTE_CAPABILITY = (8, 9)  # FP8 mma.sync
 OUT_DTYPES = (jnp.bfloat16, jnp.float32)
-KERNELS = {"auto": 0, "mma_sync": 1, "wgmma": 2, "wgmma_ws": 3}  # the handler's `variant`
+KERNELS = {"auto": 0, "mma_sync": 1, "wgmma": 2, "wgmma_ws": 3,  # the handler's `variant`
+           "wgmma_ws_dp": 4}
+# wgmma_ws's stream-K scratch (csrc/w4a8/w4a8_kernel.h): 4096 bytes of flags, then one float32
+# 128 x 256 partial tile per SM. A second result of the custom call, so that XLA plans it.
+_SK_FLAG_BYTES = 4096
+_SK_SLOT_BYTES = 128 * 256 * 4
+_SK_DEFAULT_SMS = 132  # when the device does not say (an H200 has 132 SMs)
 # Whether "auto" may run the wgmma kernel on compute capability 9.0 (False: mma_sync everywhere;
 # no rebuild needed, the handler only sees "auto" when this is True).
 AUTO_WGMMA_ON_SM90 = True
@@ -121,10 +131,22 @@ def _validate(x, x_scale, w, out_dtype, kernel) -> None:
                                       "(supported: bfloat16, float32)")
 
 
+def _workspace_bytes(variant: int) -> int:
+    """Scratch for the handler: one stream-K slot per SM where wgmma_ws may run, else a token."""
+    if variant not in (KERNELS["auto"], KERNELS["wgmma_ws"]):
+        return 16
+    try:
+        sms = max(int(getattr(d, "core_count", 0) or 0) for d in jax.devices("cuda"))
+    except RuntimeError:
+        sms = 0
+    return _SK_FLAG_BYTES + (sms or _SK_DEFAULT_SMS) * _SK_SLOT_BYTES
+
+
 def _kernel(out_dtype, variant, x2, s1, packed, scales, channel_exp):
     out = jax.ShapeDtypeStruct((x2.shape[0], packed.shape[0]), out_dtype)
-    call = jax.ffi.ffi_call("jax_mila_w4a8_matmul", out, vmap_method="sequential")
-    return call(x2, s1, packed, scales, channel_exp, variant=np.int64(variant))
+    workspace = jax.ShapeDtypeStruct((_workspace_bytes(variant),), jnp.uint8)
+    call = jax.ffi.ffi_call("jax_mila_w4a8_matmul", (out, workspace), vmap_method="sequential")
+    return call(x2, s1, packed, scales, channel_exp, variant=np.int64(variant))[0]
 
 
 def _reference(out_dtype, x2, s1, packed, scales, channel_exp):
