@@ -1,9 +1,9 @@
 // W4A8 main-loop roofline on sm_90a: the wgmma_ws consumers' loop (csrc/w4a8/w4a8_sm90_ws.cu)
 // with the loads taken away, to tell whether its structure or its feeding bounds the kernel.
-// The chain256 variant below is a copy of the kernel's consumer loop: keep the two in step.
-// One CTA per SM, two consumer warpgroups; B (activations) is a fixed 32 KB shared-memory tile
-// in the kernel's 128-byte swizzle, A (weights) comes from registers. Per "K tile", as in the
-// kernel: 64 x 256 x 128 per warpgroup (e4m3, fp32 accumulation). Variants:
+// wgmma_loop: one CTA per SM, two consumer warpgroups; B (activations) is a fixed 32 KB
+// shared-memory tile in the kernel's 128-byte swizzle, A (weights) comes from registers. Per
+// "K tile", as in the kernel: 64 x 256 x 128 per warpgroup (e4m3, fp32 accumulation).
+// Variants:
 //   chained    2 halves x 4 wgmma.m64n128k32 into one fixed accumulator, one commit and
 //              wait<1> per K tile (at most two batches in flight): the loop without promotion.
 //   promoted   per n128 half: a fresh partial (scale-d 0), commit, wait<0>, 64 fp32 adds into
@@ -15,21 +15,31 @@
 //              quarter j runs while quarter j - 1 is added (wait<1>); wait<0> at the end of
 //              the K tile (tried in the kernel on 2026-11-30: no faster).
 //   chain256   convert two K tiles, then per n128 half 8 wgmmas (a 256-long chain) into a
-//              fresh partial, wait<0>, add: the kernel's consumer loop now, without TMA,
-//              mbarriers or a producer (the tile count must be even). With the version-2
-//              (sign-swizzled) weight words: 1,788 TFLOP/s against 1,678 with version 1 in
-//              the same run (2026-12-01, docs/performance.md).
+//              fresh partial, wait<0>, add: the kernel's promotion chain without TMA,
+//              mbarriers or a producer (the tile count must be even), and with the whole
+//              chain converted first (the kernel now converts each block of the first half
+//              just before its wgmma). With the version-2 (sign-swizzled) weight words:
+//              1,788 TFLOP/s against 1,678 with version 1 in the same run (2026-12-01,
+//              docs/performance.md).
+//   chain256_const, chain256_random   chain256 compiled with the tiles' contents a kernel
+//              argument (ptxas schedules the loop with a few instructions swapped against
+//              chain256's, so the pair is one binary), run with chain256's constant tiles
+//              (1.0 x 0.5: few bits toggle in the tensor cores) and with random ones (finite
+//              e4m3 activations, random packed words, block exponents 120..127 under channel
+//              exponent 127): the tensor cores' data-dependent power and clock.
 // Prints one line per variant: TFLOP/s over all SMs and the SM clock block 0 saw (values are
 // not checked: not a test).
 //
 //   nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -DMILA_HAS_SM90A -I csrc \
 //        benchmarks/micro/wgmma_fp8_loop.cu -o /tmp/wgmma_fp8_loop && /tmp/wgmma_fp8_loop
-// (benchmarks/wgmma_loop.py builds and runs it.)
+// (benchmarks/wgmma_loop.py builds and runs it; the argument is the K tiles per CTA, even,
+// default 4096.)
 
 #include <cuda_runtime.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <type_traits>
 
 #include "common/ptx.cuh"
 #include "w4a8/w4a8_convert.cuh"
@@ -37,7 +47,6 @@
 namespace mila::bench {
 
 enum Variant : int { kChained = 0, kPromoted = 1, kConvert = 2, kPipelined = 3, kChain2 = 4 };
-const char* const kNames[] = {"chained", "promoted", "convert", "pipelined", "chain256"};
 
 constexpr int kThreads = 256;          // two consumer warpgroups
 constexpr int kHalfBytes = 128 * 128;  // 128 activation rows x 128 K bytes: one n128 half
@@ -46,6 +55,74 @@ constexpr int kWBytes = 128 * kPackedTile;  // packed weight rows of one K tile
 constexpr int kEBytes = 128 * kKBlocks;     // their block exponents
 constexpr int kSmemBytes = kXBytes + kWBytes + kEBytes + 1024;  // + alignment slack
 constexpr double kFlopPerTile = 2.0 * 4 * 2 * 64.0 * 128 * 32 * 2;  // 2 WG x 2 halves x 4 wgmma
+
+// ---- tile contents -----------------------------------------------------------------------
+
+// What the tiles hold: constants (e4m3 1.0 activations, packed weight codes 1 = 0.5, block
+// exponent 127) or random finite values. Chosen at run time where a variant pair compares
+// the two (data_kind): ptxas schedules a kernel's main loop differently for a different fill
+// code before it, and the comparison should be of one binary.
+enum class Data : int { kConst = 0, kRandom = 1 };
+enum class Field : uint32_t { kActivations = 0, kCodes = 1, kExponents = 2 };
+
+// Integer hash (lowbias32): random words from their index, no generator state to carry.
+__device__ __forceinline__ uint32_t hash32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// Word `index` of a field. Random: activations any e4m3fn byte but the NaNs 0x7F / 0xFF (made
+// 0x7E / 0xFE, +-448); packed words any 32 bits (every version-2 word is 8 valid codes);
+// block exponents 120..127, so that with channel exponent 127 (row_lut(127)) the offset
+// block - channel is -7..0 and word_to_e4m3's byte-wise table (valid for -12..0) stays finite.
+template <Data kData>
+__device__ __forceinline__ uint32_t fill_word(Field field, uint32_t index) {
+  if constexpr (kData == Data::kConst) {
+    return field == Field::kActivations ? 0x38383838u
+           : field == Field::kCodes     ? 0x11111111u
+                                        : 0x7F7F7F7Fu;
+  } else {
+    uint32_t v = hash32(3u * index + static_cast<uint32_t>(field));
+    if (field == Field::kActivations) {
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+        if (((v >> (8 * b)) & 0x7Fu) == 0x7Fu) v ^= 1u << (8 * b);
+    } else if (field == Field::kExponents) {
+      v = 0x78787878u + (v & 0x07070707u);
+    }
+    return v;
+  }
+}
+
+// One K tile's activations (x, kXBytes), packed weight rows (w, kWBytes) and block exponents
+// (e, kEBytes), written by threads tid, tid + nthreads, ...; `tile` makes random tiles differ.
+// Generic-proxy stores: the caller fences (fence_proxy_async_shared) before wgmma or TMA.
+template <Data kData>
+__device__ __forceinline__ void fill_tile(uint8_t* x, uint8_t* w, uint8_t* e, uint32_t tile,
+                                          int tid, int nthreads) {
+  for (int i = tid; i < kXBytes / 4; i += nthreads)
+    reinterpret_cast<uint32_t*>(x)[i] =
+        fill_word<kData>(Field::kActivations, tile * (kXBytes / 4) + i);
+  for (int i = tid; i < kWBytes / 4; i += nthreads)
+    reinterpret_cast<uint32_t*>(w)[i] = fill_word<kData>(Field::kCodes, tile * (kWBytes / 4) + i);
+  for (int i = tid; i < kEBytes / 4; i += nthreads)
+    reinterpret_cast<uint32_t*>(e)[i] =
+        fill_word<kData>(Field::kExponents, tile * (kEBytes / 4) + i);
+}
+// fill_tile with the contents chosen at run time.
+__device__ __forceinline__ void fill_tile(Data data, uint8_t* x, uint8_t* w, uint8_t* e,
+                                          uint32_t tile, int tid, int nthreads) {
+  if (data == Data::kRandom)
+    fill_tile<Data::kRandom>(x, w, e, tile, tid, nthreads);
+  else
+    fill_tile<Data::kConst>(x, w, e, tile, tid, nthreads);
+}
+
+// ---- wgmma_loop: the consumers' loop alone ---------------------------------------------------
 
 // Adds a retired partial sum of N accumulator registers into the masters at acc[N * j ..]
 // (the m64nN and m64n256 accumulator layouts agree column block by column block).
@@ -57,20 +134,29 @@ __device__ __forceinline__ void promote(float (&part)[N], float (&acc)[128], int
   for (int i = 0; i < N; ++i) acc[N * j + i] += part[i];
 }
 
-template <int kVariant>
+// kDataArg: the tiles' contents are data_kind (a Data), else constants (the first five
+// variants, whose code stays as first timed: any other fill code moves ptxas's schedule of
+// their loops).
+template <int kVariant, bool kDataArg = false>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(int tiles, float* sink,
-                                                          unsigned long long* clocks) {
+                                                          unsigned long long* clocks,
+                                                          int data_kind) {
 #if defined(__CUDA_ARCH__) && defined(MILA_HAS_SM90A)
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = ptx::smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   uint8_t* smem = smem_raw + (base - raw);
-  // e4m3 1.0 activations, packed weight codes 1 (0.5) with block exponent 127: finite values;
-  // what they are does not change the tensor cores' speed.
-  for (int i = threadIdx.x; i < kXBytes / 4; i += kThreads)
-    reinterpret_cast<uint32_t*>(smem)[i] = 0x38383838u;
-  for (int i = threadIdx.x; i < (kWBytes + kEBytes) / 4; i += kThreads)
-    reinterpret_cast<uint32_t*>(smem + kXBytes)[i] = i < kWBytes / 4 ? 0x11111111u : 0x7F7F7F7Fu;
+  if constexpr (!kDataArg) {
+    // e4m3 1.0 activations, packed weight codes 1 (0.5) with block exponent 127: finite values
+    // that toggle few bits in the tensor cores (chain256_random has random ones).
+    for (int i = threadIdx.x; i < kXBytes / 4; i += kThreads)
+      reinterpret_cast<uint32_t*>(smem)[i] = 0x38383838u;
+    for (int i = threadIdx.x; i < (kWBytes + kEBytes) / 4; i += kThreads)
+      reinterpret_cast<uint32_t*>(smem + kXBytes)[i] = i < kWBytes / 4 ? 0x11111111u : 0x7F7F7F7Fu;
+  } else {
+    fill_tile(static_cast<Data>(data_kind), smem, smem + kXBytes, smem + kXBytes + kWBytes, 0,
+              threadIdx.x, kThreads);
+  }
   ptx::sm90::fence_proxy_async_shared();  // generic-proxy stores, read by wgmma
   __syncthreads();
 
@@ -216,16 +302,22 @@ struct Timing {
   double mhz;  // block 0's SM clock during that run
 };
 
-template <int kVariant>
-Timing time_loop(int blocks, int tiles, float* sink, unsigned long long* clocks,
-                 cudaEvent_t start, cudaEvent_t stop) {
-  auto kernel = wgmma_loop<kVariant>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  kernel<<<blocks, kThreads, kSmemBytes>>>(tiles, sink, clocks);  // warm-up
+// Times `launch` (one launch of a variant over all SMs): a warm-up, then the best of 5. A
+// failed launch (a watchdog trap) ends the program with the variant's name: the context is
+// lost, so no later variant could run.
+template <typename Launch>
+Timing time_runs(const char* name, Launch launch, unsigned long long* clocks, cudaEvent_t start,
+                 cudaEvent_t stop) {
+  launch();  // warm-up
+  const cudaError_t err = cudaDeviceSynchronize();
+  if (err != cudaSuccess) {
+    std::printf("%s: CUDA error: %s\n", name, cudaGetErrorString(err));
+    std::exit(1);
+  }
   Timing best{1e30f, 0.0};
   for (int rep = 0; rep < 5; ++rep) {
     cudaEventRecord(start);
-    kernel<<<blocks, kThreads, kSmemBytes>>>(tiles, sink, clocks);
+    launch();
     cudaEventRecord(stop);
     cudaEventSynchronize(stop);
     float ms = 0.f;
@@ -239,12 +331,29 @@ Timing time_loop(int blocks, int tiles, float* sink, unsigned long long* clocks,
   return best;
 }
 
+// data: the tiles' contents where kDataArg, else ignored (constants).
+template <int kVariant, bool kDataArg = false>
+Timing time_loop(const char* name, Data data, int blocks, int tiles, float* sink,
+                 unsigned long long* clocks, cudaEvent_t start, cudaEvent_t stop) {
+  auto kernel = wgmma_loop<kVariant, kDataArg>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  const int data_kind = static_cast<int>(data);
+  return time_runs(
+      name, [&] { kernel<<<blocks, kThreads, kSmemBytes>>>(tiles, sink, clocks, data_kind); },
+      clocks, start, stop);
+}
+
+struct Result {
+  const char* name;
+  Timing timing;
+};
+
 }  // namespace mila::bench
 
 int main(int argc, char** argv) {
   using namespace mila::bench;
   const int tiles = argc > 1 ? std::atoi(argv[1]) : 4096;
-  if (tiles < 2 || tiles % 2 != 0) {  // chain256 runs two K tiles per iteration
+  if (tiles < 2 || tiles % 2 != 0) {  // the chain256 variants run two K tiles per chain
     std::printf("tiles must be an even number >= 2, got %d\n", tiles);
     return 2;
   }
@@ -264,20 +373,34 @@ int main(int argc, char** argv) {
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
-  const Timing runs[] = {time_loop<kChained>(sms, tiles, sink, clocks, start, stop),
-                         time_loop<kPromoted>(sms, tiles, sink, clocks, start, stop),
-                         time_loop<kConvert>(sms, tiles, sink, clocks, start, stop),
-                         time_loop<kPipelined>(sms, tiles, sink, clocks, start, stop),
-                         time_loop<kChain2>(sms, tiles, sink, clocks, start, stop)};
+  auto loop = [&](auto variant, const char* name) {
+    constexpr int kVariant = decltype(variant)::value;
+    return Result{name, time_loop<kVariant>(name, Data::kConst, sms, tiles, sink, clocks, start,
+                                            stop)};
+  };
+  // chain256 in the binary whose tiles' contents are an argument, with each of them.
+  auto loop_data = [&](Data data, const char* name) {
+    return Result{name, time_loop<kChain2, true>(name, data, sms, tiles, sink, clocks, start,
+                                                 stop)};
+  };
+  const Result runs[] = {
+      loop(std::integral_constant<int, kChained>{}, "chained"),
+      loop(std::integral_constant<int, kPromoted>{}, "promoted"),
+      loop(std::integral_constant<int, kConvert>{}, "convert"),
+      loop(std::integral_constant<int, kPipelined>{}, "pipelined"),
+      loop(std::integral_constant<int, kChain2>{}, "chain256"),
+      loop_data(Data::kConst, "chain256_const"),
+      loop_data(Data::kRandom, "chain256_random"),
+  };
   const cudaError_t err = cudaDeviceSynchronize();
   if (err != cudaSuccess) {
     std::printf("CUDA error: %s\n", cudaGetErrorString(err));
     return 1;
   }
   std::printf("| variant | ms | TFLOP/s | SM clock MHz |\n|---|---|---|---|\n");
-  for (int v = 0; v < 5; ++v)
-    std::printf("| %s | %.3f | %.0f | %.0f |\n", kNames[v], runs[v].ms,
-                kFlopPerTile * sms * tiles / (runs[v].ms * 1e-3) / 1e12, runs[v].mhz);
+  for (const Result& r : runs)
+    std::printf("| %s | %.3f | %.0f | %.0f |\n", r.name, r.timing.ms,
+                kFlopPerTile * sms * tiles / (r.timing.ms * 1e-3) / 1e12, r.timing.mhz);
   cudaFree(sink);
   cudaFree(clocks);
   return 0;
