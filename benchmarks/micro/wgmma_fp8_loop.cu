@@ -1,5 +1,7 @@
 // W4A8 main-loop roofline on sm_90a: the wgmma_ws consumers' loop (csrc/w4a8/w4a8_sm90_ws.cu)
-// with the loads taken away, to tell whether its structure or its feeding bounds the kernel.
+// with the loads taken away, to tell whether its structure or its feeding bounds the kernel,
+// and with the kernel's surroundings put back one at a time (the ring variants), to find where
+// the kernel loses against the loop.
 // wgmma_loop: one CTA per SM, two consumer warpgroups; B (activations) is a fixed 32 KB
 // shared-memory tile in the kernel's 128-byte swizzle, A (weights) comes from registers. Per
 // "K tile", as in the kernel: 64 x 256 x 128 per warpgroup (e4m3, fp32 accumulation).
@@ -27,13 +29,27 @@
 //              (1.0 x 0.5: few bits toggle in the tensor cores) and with random ones (finite
 //              e4m3 activations, random packed words, block exponents 120..127 under channel
 //              exponent 127): the tensor cores' data-dependent power and clock.
+// ring_loop: the kernel's launch shape, 384 threads: a producer warpgroup of which only warp 0
+// stays (setmaxnreg.dec to 24 registers, the other three warps exit) and the two consumer
+// warpgroups (setmaxnreg.inc to 240), with the kernel's 5-stage ring of full/empty mbarriers
+// (each stage its own 32 KiB activations, 8 KiB packed weights and 512 B exponents, all filled
+// once at the start, constant or random as a kernel argument says; full barriers count 33
+// arrivals, empty ones 256). The consumers wait on each K tile's full barrier (parity tracked
+// as the kernel's RingPos), read its packed rows from that stage and after the chain arrive
+// on both stages' empty barriers; the producer waits on empty (parity ^ 1) and arms full,
+// then waits for the last stages' release (the kernel's producer tail). Every mbarrier wait
+// traps after kWatchdogNs, so a protocol bug fails the launch instead of hanging the GPU.
+//   chain256_ring     chain256's consumer loop on the ring; the producer only arrives, 33
+//              plain arrivals per stage (each lane once, lane 0 twice), no data movement.
+//   chain256_ring_random   chain256_ring with random stages (each stage different; the same
+//              binary as chain256_ring).
 // Prints one line per variant: TFLOP/s over all SMs and the SM clock block 0 saw (values are
 // not checked: not a test).
 //
 //   nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -DMILA_HAS_SM90A -I csrc \
 //        benchmarks/micro/wgmma_fp8_loop.cu -o /tmp/wgmma_fp8_loop && /tmp/wgmma_fp8_loop
 // (benchmarks/wgmma_loop.py builds and runs it; the argument is the K tiles per CTA, even,
-// default 4096.)
+// default 4096.) -DMILA_WGMMA_LOOP_DEBUG: a watchdog trap first prints the barrier it waited on.
 
 #include <cuda_runtime.h>
 
@@ -297,6 +313,244 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(int tiles, float* sink
 #endif
 }
 
+// ---- ring_loop: the loop on the kernel's mbarrier ring, with its producer warp ---------------
+
+namespace ring {
+
+// The kernel's (w4a8_sm90_ws.cu) launch shape, ring and register split.
+constexpr int kStages = 5;
+constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
+constexpr int kConsumerThreads = 256;
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
+constexpr int kXStage = kXBytes;  // 32 KiB, 1024-byte aligned (128B swizzle atoms)
+constexpr int kWStage = kWBytes;  // 8 KiB
+constexpr int kEStage = kEBytes;  // 512 B
+constexpr int kWOffset = kStages * kXStage;
+constexpr int kEOffset = kWOffset + kStages * kWStage;
+constexpr int kBarOffset = kEOffset + kStages * kEStage;
+constexpr int kSmemBytes = kBarOffset + 2 * kStages * 8 + 1024;  // + alignment slack
+constexpr uint32_t kFullArrivals = 1 + 32;  // the kernel's expect_tx arrive + 32 lane arrivals
+static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+static_assert(kConsumerThreads * kConsumerRegs + (kThreads - kConsumerThreads) * kProducerRegs <=
+                  65536 / kThreads / 8 * 8 * kThreads,
+              "setmaxnreg redistributes only the registers the CTA was launched with");
+static_assert((kWOffset | kWStage) % 16 == 0 && (kEOffset | kEStage) % 4 == 0 &&
+                  kBarOffset % 8 == 0,
+              "alignment");
+
+// A wait longer than this traps (the launch fails) instead of hanging the GPU: every
+// legitimate wait here lasts microseconds.
+constexpr uint64_t kWatchdogNs = 4000000000ull;  // 4 s
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+
+// The kernel's mbar_wait: one try without reading the timer (the common case), then polls
+// that give up after kWatchdogNs and trap. The trap comes after the polling loop, not inside
+// it as in the kernel: inside, ptxas (CUDA 13.0) did not give the consumers' loop here the
+// 240 registers of setmaxnreg (it used up to R194 and spilled 556 bytes).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  if (ptx::sm90::mbar_try_wait(bar, parity)) return;
+  const uint64_t t0 = global_timer_ns();
+  bool late = false;
+  while (!ptx::sm90::mbar_try_wait(bar, parity)) {
+    if (global_timer_ns() - t0 > kWatchdogNs) {
+      late = true;
+      break;
+    }
+  }
+  if (late) {
+#ifdef MILA_WGMMA_LOOP_DEBUG
+    printf("wgmma loop watchdog: block %d thread %d barrier smem 0x%x parity %u\n", blockIdx.x,
+           threadIdx.x, bar, parity);
+#endif
+    __trap();
+  }
+}
+
+// Stage and parity of a pipeline step (the kernel's RingPos).
+struct RingPos {
+  uint32_t stage = 0, phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// What the producer warp does per stage, after waiting for the stage's release.
+enum class Feed {
+  kArrive,  // 33 plain arrivals on the full barrier, no data (the kernel's TIMING_ONLY build)
+};
+
+// The producer warp (warp 0, 24 registers): `tiles` pipeline steps, then the kernel's tail.
+template <Feed kFeed>
+__device__ __forceinline__ void produce(int tiles, uint32_t full_bar, uint32_t empty_bar) {
+  const uint32_t lane = threadIdx.x;
+  RingPos pos;
+  for (int t = 0; t < tiles; ++t, pos.advance()) {
+    const uint32_t s = pos.stage;
+    // A fresh barrier counts as having completed the pass before pass 0 (parity 1), so the
+    // first kStages waits return at once.
+    mbar_wait(empty_bar + 8 * s, pos.phase ^ 1);
+    const uint32_t fb = full_bar + 8 * s;
+    if constexpr (kFeed == Feed::kArrive) {
+      ptx::sm90::mbar_arrive(fb);
+      if (lane == 0) ptx::sm90::mbar_arrive(fb);
+    }
+  }
+  // The kernel's producer tail: wait until the consumers have released the last kStages
+  // steps (steps before 0 pass at once).
+#pragma unroll 1
+  for (int j = 0; j < kStages; ++j, pos.advance())
+    mbar_wait(empty_bar + 8 * pos.stage, pos.phase ^ 1);
+}
+
+// A consumer thread's place: consumer warpgroup cw (0 / 1) takes weight rows 64 cw .. 64 cw +
+// 63 of each K tile; this thread rows wrow0 and wrow0 + 8 (quad column q).
+struct ConsumerIds {
+  int wrow0, q;
+  __device__ __forceinline__ ConsumerIds() {
+    const int tid = threadIdx.x - (kThreads - kConsumerThreads);
+    const int cw = tid / 128, lane = tid % 32, wwarp = (tid % 128) / 32;
+    wrow0 = cw * 64 + wwarp * 16 + lane / 4;
+    q = lane % 4;
+  }
+};
+
+// chain256's loop (wgmma_loop<kChain2>) on the ring: per chain, wait for each of its two
+// stages and convert that K tile's weight rows from it (the whole chain converted before the
+// first wgmma, as chain256), 8 wgmmas per n128 half into a fresh partial, wait, add, then
+// release both stages as the kernel does. Returns the masters' sum (keeps the loop alive).
+__device__ __forceinline__ float consume_chain256(int tiles, const uint8_t* smem,
+                                                  uint32_t smem_base, uint32_t full_bar,
+                                                  uint32_t empty_bar) {
+  const ConsumerIds id;
+  const RowLut lut = row_lut(127);
+  float acc[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+
+  // chain256's conversion of this thread's two weight rows of the K tile in stage s.
+  auto convert = [&](uint32_t s, uint32_t (&frag)[kKBlocks][4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = id.wrow0 + 8 * h;
+      const uint4 v = *reinterpret_cast<const uint4*>(smem + kWOffset + s * kWStage +
+                                                      row * kPackedTile + id.q * 16);
+      const uint32_t exps =
+          *reinterpret_cast<const uint32_t*>(smem + kEOffset + s * kEStage + row * kKBlocks);
+#pragma unroll
+      for (int kb = 0; kb < kKBlocks; ++kb) {
+        const uint32_t word = kb == 0 ? v.x : kb == 1 ? v.y : kb == 2 ? v.z : v.w;
+        word_to_e4m3(word, (exps >> (8 * kb)) & 0xFFu, lut, frag[kb][h], frag[kb][2 + h]);
+      }
+    }
+  };
+
+  RingPos pos;
+  for (int t = 0; t < tiles; t += 2) {
+    uint32_t a2[2][kKBlocks][4];
+    uint32_t st[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c, pos.advance()) {
+      st[c] = pos.stage;
+      mbar_wait(full_bar + 8 * st[c], pos.phase);
+      convert(st[c], a2[c]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float part[64];
+      ptx::sm90::wgmma_fence();
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int kb = 0; kb < kKBlocks; ++kb) {
+          const uint64_t desc =
+              ptx::sm90::desc_k128b(smem_base + st[c] * kXStage + h * kHalfBytes + kb * 32);
+          if (c == 0 && kb == 0)
+            ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a2[c][kb], desc);
+          else
+            ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a2[c][kb], desc);
+        }
+      ptx::sm90::wgmma_commit();
+      ptx::sm90::wgmma_wait<0>();
+      promote(part, acc, h);
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+#pragma unroll
+      for (int kb = 0; kb < kKBlocks; ++kb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ptx::sm90::fence_operand(a2[c][kb][e]);
+      // Both halves retired and the packed rows were read above: the stage may be refilled.
+      ptx::sm90::mbar_arrive(empty_bar + 8 * st[c]);
+    }
+  }
+  ptx::sm90::wgmma_wait<0>();
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < 128; ++i) sum += acc[i];
+  return sum;
+}
+
+// The kernel's launch shape and ring around a consumer loop (header comment). data_kind: the
+// stages' contents (a Data), filled once; tiles: K tiles per CTA (even).
+template <Feed kFeed>
+__global__ void __launch_bounds__(kThreads, 1)
+    ring_loop(int data_kind, int tiles, float* sink, unsigned long long* clocks) {
+#if defined(__CUDA_ARCH__) && defined(MILA_HAS_SM90A)
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = ptx::smem_addr(smem_raw);
+  const uint32_t smem_base = (raw + 1023u) & ~1023u;
+  uint8_t* smem = smem_raw + (smem_base - raw);
+  const uint32_t full_bar = smem_base + kBarOffset;  // stage s: + 8 s
+  const uint32_t empty_bar = full_bar + 8 * kStages;
+  const int tid = threadIdx.x;
+
+  // Every stage its own K tile (random stages differ), as the kernel's ring holds.
+  for (int s = 0; s < kStages; ++s)
+    fill_tile(static_cast<Data>(data_kind), smem + s * kXStage, smem + kWOffset + s * kWStage,
+              smem + kEOffset + s * kEStage, s, tid, kThreads);
+  ptx::sm90::fence_proxy_async_shared();  // generic-proxy stores, read by wgmma
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      ptx::sm90::mbar_init(full_bar + 8 * s, kFullArrivals);
+      ptx::sm90::mbar_init(empty_bar + 8 * s, kConsumerThreads);
+    }
+    ptx::sm90::mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (tid < kThreads - kConsumerThreads) {
+    // The kernel's producer warpgroup: all four warps give registers back, three exit.
+    ptx::sm90::setmaxnreg_dec<kProducerRegs>();
+    if (tid >= 32) return;
+    produce<kFeed>(tiles, full_bar, empty_bar);
+    return;
+  }
+  ptx::sm90::setmaxnreg_inc<kConsumerRegs>();
+  // SM cycles and nanoseconds of block 0's consumer loop (see wgmma_loop).
+  const long long cycle0 = clock64();
+  const uint64_t ns0 = global_timer_ns();
+  const float sum = consume_chain256(tiles, smem, smem_base, full_bar, empty_bar);
+  sink[blockIdx.x * kConsumerThreads + tid - (kThreads - kConsumerThreads)] = sum;
+  if (blockIdx.x == 0 && tid == kThreads - kConsumerThreads) {
+    const uint64_t ns1 = global_timer_ns();
+    clocks[0] = static_cast<unsigned long long>(clock64() - cycle0);
+    clocks[1] = ns1 - ns0;
+  }
+#endif
+}
+
+}  // namespace ring
+
 struct Timing {
   float ms;    // best of 5
   double mhz;  // block 0's SM clock during that run
@@ -340,6 +594,21 @@ Timing time_loop(const char* name, Data data, int blocks, int tiles, float* sink
   const int data_kind = static_cast<int>(data);
   return time_runs(
       name, [&] { kernel<<<blocks, kThreads, kSmemBytes>>>(tiles, sink, clocks, data_kind); },
+      clocks, start, stop);
+}
+
+// The ring variants: data_kind (a Data) fills the stages.
+template <ring::Feed kFeed>
+Timing time_ring(const char* name, Data data, int blocks, int tiles, float* sink,
+                 unsigned long long* clocks, cudaEvent_t start, cudaEvent_t stop) {
+  auto kernel = ring::ring_loop<kFeed>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ring::kSmemBytes);
+  const int data_kind = static_cast<int>(data);
+  return time_runs(
+      name,
+      [&] {
+        kernel<<<blocks, ring::kThreads, ring::kSmemBytes>>>(data_kind, tiles, sink, clocks);
+      },
       clocks, start, stop);
 }
 
@@ -391,6 +660,11 @@ int main(int argc, char** argv) {
       loop(std::integral_constant<int, kChain2>{}, "chain256"),
       loop_data(Data::kConst, "chain256_const"),
       loop_data(Data::kRandom, "chain256_random"),
+      Result{"chain256_ring", time_ring<ring::Feed::kArrive>("chain256_ring", Data::kConst, sms,
+                                                             tiles, sink, clocks, start, stop)},
+      Result{"chain256_ring_random",
+             time_ring<ring::Feed::kArrive>("chain256_ring_random", Data::kRandom, sms, tiles,
+                                            sink, clocks, start, stop)},
   };
   const cudaError_t err = cudaDeviceSynchronize();
   if (err != cudaSuccess) {
