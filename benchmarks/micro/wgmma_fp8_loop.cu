@@ -43,6 +43,14 @@
 //              plain arrivals per stage (each lane once, lane 0 twice), no data movement.
 //   chain256_ring_random   chain256_ring with random stages (each stage different; the same
 //              binary as chain256_ring).
+//   chain256_ring_tma      chain256_ring_random where lane 0 issues the kernel's two TMA loads
+//              per stage (activations 256 x 128 B with the 128-byte swizzle, packed weights
+//              128 x 64 B) with expect_tx, from 8 random K tiles in global memory that stay in
+//              L2 (cycled; block b starts at tile b % 8); the 32 lanes arrive plainly, so the
+//              exponents stay as filled at the start.
+//   chain256_ring_loads    chain256_ring_tma with the kernel's whole producer: the 32 lanes
+//              also copy the stage's block exponents with cp.async (4 bytes, 4 rows a lane)
+//              and arrive when they land (cp.async.mbarrier.arrive.noinc).
 // Prints one line per variant: TFLOP/s over all SMs and the SM clock block 0 saw (values are
 // not checked: not a test).
 //
@@ -58,6 +66,7 @@
 #include <type_traits>
 
 #include "common/ptx.cuh"
+#include "common/tensor_map.h"
 #include "w4a8/w4a8_convert.cuh"
 
 namespace mila::bench {
@@ -331,6 +340,12 @@ constexpr int kEOffset = kWOffset + kStages * kWStage;
 constexpr int kBarOffset = kEOffset + kStages * kEStage;
 constexpr int kSmemBytes = kBarOffset + 2 * kStages * 8 + 1024;  // + alignment slack
 constexpr uint32_t kFullArrivals = 1 + 32;  // the kernel's expect_tx arrive + 32 lane arrivals
+constexpr uint32_t kTxBytes = kXStage + kWStage;  // TMA bytes per stage
+// The TMA feeds' global K tiles: 8 x 40.5 KiB, read by every CTA, stay in L2.
+constexpr int kGlobalTiles = 8;
+constexpr int kXRowBytes = kGlobalTiles * kBK;          // activations [256][8 x 128 B]
+constexpr int kWRowBytes = kGlobalTiles * kPackedTile;  // packed weights [128][8 x 64 B]
+constexpr int kERowBytes = kGlobalTiles * kKBlocks;     // block exponents [128][8 x 4 B]
 static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 static_assert(kConsumerThreads * kConsumerRegs + (kThreads - kConsumerThreads) * kProducerRegs <=
                   65536 / kThreads / 8 * 8 * kThreads,
@@ -386,13 +401,19 @@ struct RingPos {
 // What the producer warp does per stage, after waiting for the stage's release.
 enum class Feed {
   kArrive,  // 33 plain arrivals on the full barrier, no data (the kernel's TIMING_ONLY build)
+  kTma,     // lane 0: expect_tx and the kernel's two TMA loads; 32 plain lane arrivals
+  kLoads,   // kTma, the lanes copying the exponents with cp.async: the kernel's producer
 };
 
 // The producer warp (warp 0, 24 registers): `tiles` pipeline steps, then the kernel's tail.
+// The TMA feeds load global K tile k into step t's stage, k = (blockIdx.x + t) % kGlobalTiles.
 template <Feed kFeed>
-__device__ __forceinline__ void produce(int tiles, uint32_t full_bar, uint32_t empty_bar) {
+__device__ __forceinline__ void produce(int tiles, uint32_t smem_base, uint32_t full_bar,
+                                        uint32_t empty_bar, const CUtensorMap* tmap_x,
+                                        const CUtensorMap* tmap_w, const uint8_t* scales) {
   const uint32_t lane = threadIdx.x;
   RingPos pos;
+  uint32_t k = blockIdx.x % kGlobalTiles;
   for (int t = 0; t < tiles; ++t, pos.advance()) {
     const uint32_t s = pos.stage;
     // A fresh barrier counts as having completed the pass before pass 0 (parity 1), so the
@@ -402,13 +423,40 @@ __device__ __forceinline__ void produce(int tiles, uint32_t full_bar, uint32_t e
     if constexpr (kFeed == Feed::kArrive) {
       ptx::sm90::mbar_arrive(fb);
       if (lane == 0) ptx::sm90::mbar_arrive(fb);
+    } else {
+      if (lane == 0) {
+        ptx::sm90::mbar_arrive_expect_tx(fb, kTxBytes);
+        ptx::sm90::tma_load_2d(smem_base + s * kXStage, tmap_x, fb, k * kBK, 0);
+        ptx::sm90::tma_load_2d(smem_base + kWOffset + s * kWStage, tmap_w, fb, k * kPackedTile,
+                               0);
+      }
+      if constexpr (kFeed == Feed::kTma) {
+        ptx::sm90::mbar_arrive(fb);  // the exponents stay as filled at the start
+      } else {
+        // The kernel's exponent copies: 4 bytes of weight rows lane + 32 i each, arriving
+        // once they land.
+#pragma unroll
+        for (int i = 0; i < 128 / 32; ++i) {
+          const uint32_t row = lane + 32 * i;
+          ptx::w4a8::cp_async_4(smem_base + kEOffset + s * kEStage + row * kKBlocks,
+                                scales + row * kERowBytes + k * kKBlocks);
+        }
+        ptx::sm90::cp_async_mbar_arrive(fb);
+      }
+      k = (k + 1) % kGlobalTiles;
     }
   }
   // The kernel's producer tail: wait until the consumers have released the last kStages
-  // steps (steps before 0 pass at once).
+  // steps (steps before 0 pass at once), so that every TMA load and cp.async arrive-on this
+  // warp issued has landed before it exits.
 #pragma unroll 1
   for (int j = 0; j < kStages; ++j, pos.advance())
     mbar_wait(empty_bar + 8 * pos.stage, pos.phase ^ 1);
+  if constexpr (kFeed == Feed::kLoads) {
+    // Uncommitted cp.async belong to no group: commit, then wait, before the threads exit.
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+  }
 }
 
 // A consumer thread's place: consumer warpgroup cw (0 / 1) takes weight rows 64 cw .. 64 cw +
@@ -499,11 +547,14 @@ __device__ __forceinline__ float consume_chain256(int tiles, const uint8_t* smem
   return sum;
 }
 
-// The kernel's launch shape and ring around a consumer loop (header comment). data_kind: the
-// stages' contents (a Data), filled once; tiles: K tiles per CTA (even).
+// The kernel's launch shape and ring around a consumer loop (header comment). tmap_x, tmap_w,
+// scales: the TMA feeds' global K tiles (FeedBuffers); data_kind: the stages' contents (a
+// Data), filled once; tiles: K tiles per CTA (even).
 template <Feed kFeed>
 __global__ void __launch_bounds__(kThreads, 1)
-    ring_loop(int data_kind, int tiles, float* sink, unsigned long long* clocks) {
+    ring_loop(const __grid_constant__ CUtensorMap tmap_x,
+              const __grid_constant__ CUtensorMap tmap_w, const uint8_t* scales, int data_kind,
+              int tiles, float* sink, unsigned long long* clocks) {
 #if defined(__CUDA_ARCH__) && defined(MILA_HAS_SM90A)
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = ptx::smem_addr(smem_raw);
@@ -517,7 +568,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int s = 0; s < kStages; ++s)
     fill_tile(static_cast<Data>(data_kind), smem + s * kXStage, smem + kWOffset + s * kWStage,
               smem + kEOffset + s * kEStage, s, tid, kThreads);
-  ptx::sm90::fence_proxy_async_shared();  // generic-proxy stores, read by wgmma
+  ptx::sm90::fence_proxy_async_shared();  // generic-proxy stores, read by wgmma (and TMA writes)
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
@@ -532,7 +583,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The kernel's producer warpgroup: all four warps give registers back, three exit.
     ptx::sm90::setmaxnreg_dec<kProducerRegs>();
     if (tid >= 32) return;
-    produce<kFeed>(tiles, full_bar, empty_bar);
+    produce<kFeed>(tiles, smem_base, full_bar, empty_bar, &tmap_x, &tmap_w, scales);
     return;
   }
   ptx::sm90::setmaxnreg_inc<kConsumerRegs>();
@@ -597,17 +648,72 @@ Timing time_loop(const char* name, Data data, int blocks, int tiles, float* sink
       clocks, start, stop);
 }
 
-// The ring variants: data_kind (a Data) fills the stages.
+// Random words of `field` (the TMA feeds' global K tiles).
+__global__ void fill_global(uint32_t* words, int count, Field field) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x)
+    words[i] = fill_word<Data::kRandom>(field, static_cast<uint32_t>(i));
+}
+
+// The kernel's EncodeMap: 2-D uint8 tensor [rows, cols] (row stride `cols` bytes), box
+// [box_rows, box_cols]. False if the driver refuses it.
+bool encode_u8_map(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols,
+                   uint32_t box_rows, uint32_t box_cols, CUtensorMapSwizzle swizzle) {
+  const tma::EncodeTiledFn encode = tma::Encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {cols};
+  const cuuint32_t box[2] = {box_cols, box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides,
+                box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The TMA feeds' global memory: ring::kGlobalTiles random K tiles in the kernel's layouts
+// (activations [256][8 x 128 B], packed weights [128][8 x 64 B], block exponents [128][8 x
+// 4 B]) and the kernel's two tensor maps over them (boxes 256 x 128 B with the 128-byte
+// swizzle, 128 x 64 B unswizzled).
+struct FeedBuffers {
+  uint8_t* x = nullptr;
+  uint8_t* w = nullptr;
+  uint8_t* e = nullptr;
+  CUtensorMap tmap_x{}, tmap_w{};
+
+  bool init() {
+    constexpr int kXSize = 256 * ring::kXRowBytes, kWSize = 128 * ring::kWRowBytes,
+                  kESize = 128 * ring::kERowBytes;
+    if (cudaMalloc(&x, kXSize) != cudaSuccess || cudaMalloc(&w, kWSize) != cudaSuccess ||
+        cudaMalloc(&e, kESize) != cudaSuccess)
+      return false;
+    fill_global<<<64, 256>>>(reinterpret_cast<uint32_t*>(x), kXSize / 4, Field::kActivations);
+    fill_global<<<64, 256>>>(reinterpret_cast<uint32_t*>(w), kWSize / 4, Field::kCodes);
+    fill_global<<<64, 256>>>(reinterpret_cast<uint32_t*>(e), kESize / 4, Field::kExponents);
+    return cudaDeviceSynchronize() == cudaSuccess &&
+           encode_u8_map(&tmap_x, x, 256, ring::kXRowBytes, 256, kBK,
+                         CU_TENSOR_MAP_SWIZZLE_128B) &&
+           encode_u8_map(&tmap_w, w, 128, ring::kWRowBytes, 128, kPackedTile,
+                         CU_TENSOR_MAP_SWIZZLE_NONE);
+  }
+  ~FeedBuffers() {
+    cudaFree(x);
+    cudaFree(w);
+    cudaFree(e);
+  }
+};
+
+// The ring variants: data_kind (a Data) fills the stages; the TMA feeds read `feed`.
 template <ring::Feed kFeed>
-Timing time_ring(const char* name, Data data, int blocks, int tiles, float* sink,
-                 unsigned long long* clocks, cudaEvent_t start, cudaEvent_t stop) {
+Timing time_ring(const char* name, Data data, const FeedBuffers& feed, int blocks, int tiles,
+                 float* sink, unsigned long long* clocks, cudaEvent_t start, cudaEvent_t stop) {
   auto kernel = ring::ring_loop<kFeed>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ring::kSmemBytes);
   const int data_kind = static_cast<int>(data);
   return time_runs(
       name,
       [&] {
-        kernel<<<blocks, ring::kThreads, ring::kSmemBytes>>>(data_kind, tiles, sink, clocks);
+        kernel<<<blocks, ring::kThreads, ring::kSmemBytes>>>(
+            feed.tmap_x, feed.tmap_w, feed.e, data_kind, tiles, sink, clocks);
       },
       clocks, start, stop);
 }
@@ -642,6 +748,11 @@ int main(int argc, char** argv) {
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
+  FeedBuffers feed;
+  if (!feed.init()) {
+    std::printf("the TMA feeds' global tiles or tensor maps failed\n");
+    return 1;
+  }
   auto loop = [&](auto variant, const char* name) {
     constexpr int kVariant = decltype(variant)::value;
     return Result{name, time_loop<kVariant>(name, Data::kConst, sms, tiles, sink, clocks, start,
@@ -652,6 +763,13 @@ int main(int argc, char** argv) {
     return Result{name, time_loop<kChain2, true>(name, data, sms, tiles, sink, clocks, start,
                                                  stop)};
   };
+  auto ring_variant = [&](auto feed_kind, Data data, const char* name) {
+    constexpr ring::Feed kFeed = decltype(feed_kind)::value;
+    return Result{name, time_ring<kFeed>(name, data, feed, sms, tiles, sink, clocks, start, stop)};
+  };
+  using Arrive = std::integral_constant<ring::Feed, ring::Feed::kArrive>;
+  using Tma = std::integral_constant<ring::Feed, ring::Feed::kTma>;
+  using Loads = std::integral_constant<ring::Feed, ring::Feed::kLoads>;
   const Result runs[] = {
       loop(std::integral_constant<int, kChained>{}, "chained"),
       loop(std::integral_constant<int, kPromoted>{}, "promoted"),
@@ -660,11 +778,10 @@ int main(int argc, char** argv) {
       loop(std::integral_constant<int, kChain2>{}, "chain256"),
       loop_data(Data::kConst, "chain256_const"),
       loop_data(Data::kRandom, "chain256_random"),
-      Result{"chain256_ring", time_ring<ring::Feed::kArrive>("chain256_ring", Data::kConst, sms,
-                                                             tiles, sink, clocks, start, stop)},
-      Result{"chain256_ring_random",
-             time_ring<ring::Feed::kArrive>("chain256_ring_random", Data::kRandom, sms, tiles,
-                                            sink, clocks, start, stop)},
+      ring_variant(Arrive{}, Data::kConst, "chain256_ring"),
+      ring_variant(Arrive{}, Data::kRandom, "chain256_ring_random"),
+      ring_variant(Tma{}, Data::kRandom, "chain256_ring_tma"),
+      ring_variant(Loads{}, Data::kRandom, "chain256_ring_loads"),
   };
   const cudaError_t err = cudaDeviceSynchronize();
   if (err != cudaSuccess) {
