@@ -1,7 +1,8 @@
 // W4A8 main-loop roofline on sm_90a: the wgmma_ws consumers' loop (csrc/w4a8/w4a8_sm90_ws.cu)
 // with the loads taken away, to tell whether its structure or its feeding bounds the kernel,
 // and with the kernel's surroundings put back one at a time (the ring variants), to find where
-// the kernel loses against the loop.
+// the kernel loses against the loop. kernel_ring and kernel_loads hold a marked copy of the
+// kernel's consumer chain: keep the two in step.
 // wgmma_loop: one CTA per SM, two consumer warpgroups; B (activations) is a fixed 32 KB
 // shared-memory tile in the kernel's 128-byte swizzle, A (weights) comes from registers. Per
 // "K tile", as in the kernel: 64 x 256 x 128 per warpgroup (e4m3, fp32 accumulation).
@@ -20,9 +21,9 @@
 //              fresh partial, wait<0>, add: the kernel's promotion chain without TMA,
 //              mbarriers or a producer (the tile count must be even), and with the whole
 //              chain converted first (the kernel now converts each block of the first half
-//              just before its wgmma). With the version-2 (sign-swizzled) weight words:
-//              1,788 TFLOP/s against 1,678 with version 1 in the same run (2026-12-01,
-//              docs/performance.md).
+//              just before its wgmma: kernel_ring below). With the version-2
+//              (sign-swizzled) weight words: 1,788 TFLOP/s against 1,678 with version 1 in
+//              the same run (2026-12-01, docs/performance.md).
 //   chain256_const, chain256_random   chain256 compiled with the tiles' contents a kernel
 //              argument (ptxas schedules the loop with a few instructions swapped against
 //              chain256's, so the pair is one binary), run with chain256's constant tiles
@@ -51,6 +52,13 @@
 //   chain256_ring_loads    chain256_ring_tma with the kernel's whole producer: the 32 lanes
 //              also copy the stage's block exponents with cp.async (4 bytes, 4 rows a lane)
 //              and arrive when they land (cp.async.mbarrier.arrive.noinc).
+//   kernel_ring / kernel_loads   chain256_ring_random / chain256_ring_loads with the kernel's
+//              own chain (the marked copy of w4a8_sm90_ws.cu's `chain` lambda: a row's packed
+//              words and exponents loaded whole per stage, the first half converting each
+//              block just before its wgmma behind its own wgmma.fence, per-row exponent
+//              tables from a global array): the kernel's main loop as one endless output tile
+//              (no tile loop, no epilogue). kernel_ring is the loop of the kernel's TIMING_ONLY
+//              build, kernel_loads that of the normal build with every load an L2 hit.
 // Prints one line per variant: TFLOP/s over all SMs and the SM clock block 0 saw (values are
 // not checked: not a test).
 //
@@ -547,14 +555,133 @@ __device__ __forceinline__ float consume_chain256(int tiles, const uint8_t* smem
   return sum;
 }
 
+// ---- marked copy of w4a8_sm90_ws.cu's consumers: keep in step ------------------------------
+// The kernel's consumer loop over one endless output tile (kernel_ring, kernel_loads): its
+// thread indices, row tables (the tile's channel exponents, here one 128-byte array), RowWords,
+// load_rows, convert and chain as in the kernel, kChain = 2 (`tiles` is even); without the tile
+// loop, the row scales' cp.async and the epilogue. Returns the masters' sum.
+__device__ __forceinline__ float consume_kernel(int tiles, const uint8_t* smem,
+                                                uint32_t smem_base, uint32_t full_bar,
+                                                uint32_t empty_bar, const uint8_t* channel_exp) {
+  const int tid = threadIdx.x;
+  const int cw = tid / 128 - 1;  // consumer warpgroup 0 / 1: weight rows 64 cw ..
+  const int wtid = tid % 128;
+  const int lane = tid % 32, wwarp = wtid / 32;
+  const int g = lane / 4, q = lane % 4;
+  const int wrow0 = cw * 64 + wwarp * 16 + g;  // tile-local weight rows wrow0, wrow0 + 8
+
+  RingPos pos;
+  RowLut lut[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) lut[h] = row_lut(channel_exp[wrow0 + 8 * h]);
+
+  struct RowWords {
+    uint4 w;
+    uint32_t e;
+  };
+  auto load_rows = [&](uint32_t s, RowWords (&r)[2]) {
+    const uint8_t* sw = smem + kWOffset + s * kWStage;
+    const uint8_t* se = smem + kEOffset + s * kEStage;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = wrow0 + 8 * h;
+      r[h].w = *reinterpret_cast<const uint4*>(sw + row * kPackedTile + q * 16);
+      r[h].e = *reinterpret_cast<const uint32_t*>(se + row * kKBlocks);
+    }
+  };
+  auto convert = [&](const RowWords (&r)[2], int kb, uint32_t (&a)[4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint4& w = r[h].w;
+      const uint32_t word = kb == 0 ? w.x : kb == 1 ? w.y : kb == 2 ? w.z : w.w;
+      word_to_e4m3(word, (r[h].e >> (8 * kb)) & 0xFFu, lut[h], a[h], a[2 + h]);
+    }
+  };
+
+  float acc[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+
+  auto chain = [&](auto tiles_in_chain) {
+    constexpr int kChain = decltype(tiles_in_chain)::value;
+    uint32_t a[kChain][kKBlocks][4];
+    uint32_t st[kChain], sx[kChain];
+    float part[64];  // never read before written (scale-d = 0 on each half's first wgmma)
+#pragma unroll
+    for (int c = 0; c < kChain; ++c, pos.advance()) {
+      st[c] = pos.stage;
+      sx[c] = smem_base + st[c] * kXStage;
+      mbar_wait(full_bar + 8 * st[c], pos.phase);
+      RowWords rows[2];
+      load_rows(st[c], rows);
+#pragma unroll
+      for (int kb = 0; kb < kKBlocks; ++kb) {
+        convert(rows, kb, a[c][kb]);
+        ptx::sm90::wgmma_fence();  // the fragment's registers were just written
+        const uint64_t desc = ptx::sm90::desc_k128b(sx[c] + kb * 32);
+        if (c == 0 && kb == 0)
+          ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[c][kb], desc);
+        else
+          ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a[c][kb], desc);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (h == 1) {
+        ptx::sm90::wgmma_fence();
+#pragma unroll
+        for (int c = 0; c < kChain; ++c)
+#pragma unroll
+          for (int kb = 0; kb < kKBlocks; ++kb) {
+            const uint64_t desc = ptx::sm90::desc_k128b(sx[c] + kHalfBytes + kb * 32);
+            if (c == 0 && kb == 0)
+              ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[c][kb], desc);
+            else
+              ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a[c][kb], desc);
+          }
+      }
+      ptx::sm90::wgmma_commit();
+      ptx::sm90::wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < 64; ++i) ptx::sm90::fence_operand(part[i]);
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[64 * h + i] += part[i];
+    }
+#pragma unroll
+    for (int c = 0; c < kChain; ++c) {
+#pragma unroll
+      for (int kb = 0; kb < kKBlocks; ++kb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ptx::sm90::fence_operand(a[c][kb][e]);
+      // Both halves retired and the packed rows were read above: the stage may be refilled.
+      ptx::sm90::mbar_arrive(empty_bar + 8 * st[c]);
+    }
+  };
+  for (int kt = 0; kt < tiles; kt += 2) chain(std::integral_constant<int, 2>{});
+  // ---- end of the copy ----
+  ptx::sm90::wgmma_wait<0>();
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < 128; ++i) sum += acc[i];
+  return sum;
+}
+
+// The consumers' loop of a ring variant.
+enum class Body {
+  kChain256,  // chain256's (consume_chain256)
+  kKernel,    // the kernel's (consume_kernel)
+};
+
 // The kernel's launch shape and ring around a consumer loop (header comment). tmap_x, tmap_w,
-// scales: the TMA feeds' global K tiles (FeedBuffers); data_kind: the stages' contents (a
-// Data), filled once; tiles: K tiles per CTA (even).
-template <Feed kFeed>
+// scales: the TMA feeds' global K tiles, channel_exp: consume_kernel's 128 channel exponents
+// (RingInputs); data_kind: the stages' contents (a Data), filled once; tiles: K tiles per CTA
+// (even).
+template <Feed kFeed, Body kBody>
 __global__ void __launch_bounds__(kThreads, 1)
     ring_loop(const __grid_constant__ CUtensorMap tmap_x,
-              const __grid_constant__ CUtensorMap tmap_w, const uint8_t* scales, int data_kind,
-              int tiles, float* sink, unsigned long long* clocks) {
+              const __grid_constant__ CUtensorMap tmap_w, const uint8_t* scales,
+              const uint8_t* channel_exp, int data_kind, int tiles, float* sink,
+              unsigned long long* clocks) {
 #if defined(__CUDA_ARCH__) && defined(MILA_HAS_SM90A)
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = ptx::smem_addr(smem_raw);
@@ -590,7 +717,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // SM cycles and nanoseconds of block 0's consumer loop (see wgmma_loop).
   const long long cycle0 = clock64();
   const uint64_t ns0 = global_timer_ns();
-  const float sum = consume_chain256(tiles, smem, smem_base, full_bar, empty_bar);
+  float sum;
+  if constexpr (kBody == Body::kChain256)
+    sum = consume_chain256(tiles, smem, smem_base, full_bar, empty_bar);
+  else
+    sum = consume_kernel(tiles, smem, smem_base, full_bar, empty_bar, channel_exp);
   sink[blockIdx.x * kConsumerThreads + tid - (kThreads - kConsumerThreads)] = sum;
   if (blockIdx.x == 0 && tid == kThreads - kConsumerThreads) {
     const uint64_t ns1 = global_timer_ns();
@@ -670,21 +801,24 @@ bool encode_u8_map(CUtensorMap* map, const void* base, uint64_t rows, uint64_t c
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// The TMA feeds' global memory: ring::kGlobalTiles random K tiles in the kernel's layouts
-// (activations [256][8 x 128 B], packed weights [128][8 x 64 B], block exponents [128][8 x
-// 4 B]) and the kernel's two tensor maps over them (boxes 256 x 128 B with the 128-byte
-// swizzle, 128 x 64 B unswizzled).
-struct FeedBuffers {
+// Global memory of the ring variants. The TMA feeds': ring::kGlobalTiles random K tiles in
+// the kernel's layouts (activations [256][8 x 128 B], packed weights [128][8 x 64 B], block
+// exponents [128][8 x 4 B]) and the kernel's two tensor maps over them (boxes 256 x 128 B with
+// the 128-byte swizzle, 128 x 64 B unswizzled). consume_kernel's: the 128 weight rows'
+// channel exponents (127, as wgmma_loop's row_lut(127)).
+struct RingInputs {
   uint8_t* x = nullptr;
   uint8_t* w = nullptr;
   uint8_t* e = nullptr;
+  uint8_t* channel_exp = nullptr;
   CUtensorMap tmap_x{}, tmap_w{};
 
   bool init() {
     constexpr int kXSize = 256 * ring::kXRowBytes, kWSize = 128 * ring::kWRowBytes,
                   kESize = 128 * ring::kERowBytes;
     if (cudaMalloc(&x, kXSize) != cudaSuccess || cudaMalloc(&w, kWSize) != cudaSuccess ||
-        cudaMalloc(&e, kESize) != cudaSuccess)
+        cudaMalloc(&e, kESize) != cudaSuccess || cudaMalloc(&channel_exp, 128) != cudaSuccess ||
+        cudaMemset(channel_exp, 127, 128) != cudaSuccess)
       return false;
     fill_global<<<64, 256>>>(reinterpret_cast<uint32_t*>(x), kXSize / 4, Field::kActivations);
     fill_global<<<64, 256>>>(reinterpret_cast<uint32_t*>(w), kWSize / 4, Field::kCodes);
@@ -695,25 +829,27 @@ struct FeedBuffers {
            encode_u8_map(&tmap_w, w, 128, ring::kWRowBytes, 128, kPackedTile,
                          CU_TENSOR_MAP_SWIZZLE_NONE);
   }
-  ~FeedBuffers() {
+  ~RingInputs() {
     cudaFree(x);
     cudaFree(w);
     cudaFree(e);
+    cudaFree(channel_exp);
   }
 };
 
-// The ring variants: data_kind (a Data) fills the stages; the TMA feeds read `feed`.
-template <ring::Feed kFeed>
-Timing time_ring(const char* name, Data data, const FeedBuffers& feed, int blocks, int tiles,
+// The ring variants: data (a Data) fills the stages; the TMA feeds and consume_kernel read
+// `in`.
+template <ring::Feed kFeed, ring::Body kBody>
+Timing time_ring(const char* name, Data data, const RingInputs& in, int blocks, int tiles,
                  float* sink, unsigned long long* clocks, cudaEvent_t start, cudaEvent_t stop) {
-  auto kernel = ring::ring_loop<kFeed>;
+  auto kernel = ring::ring_loop<kFeed, kBody>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ring::kSmemBytes);
   const int data_kind = static_cast<int>(data);
   return time_runs(
       name,
       [&] {
         kernel<<<blocks, ring::kThreads, ring::kSmemBytes>>>(
-            feed.tmap_x, feed.tmap_w, feed.e, data_kind, tiles, sink, clocks);
+            in.tmap_x, in.tmap_w, in.e, in.channel_exp, data_kind, tiles, sink, clocks);
       },
       clocks, start, stop);
 }
@@ -748,9 +884,9 @@ int main(int argc, char** argv) {
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
-  FeedBuffers feed;
-  if (!feed.init()) {
-    std::printf("the TMA feeds' global tiles or tensor maps failed\n");
+  RingInputs inputs;
+  if (!inputs.init()) {
+    std::printf("the ring variants' global inputs or tensor maps failed\n");
     return 1;
   }
   auto loop = [&](auto variant, const char* name) {
@@ -763,13 +899,17 @@ int main(int argc, char** argv) {
     return Result{name, time_loop<kChain2, true>(name, data, sms, tiles, sink, clocks, start,
                                                  stop)};
   };
-  auto ring_variant = [&](auto feed_kind, Data data, const char* name) {
+  auto ring_variant = [&](auto feed_kind, auto body, Data data, const char* name) {
     constexpr ring::Feed kFeed = decltype(feed_kind)::value;
-    return Result{name, time_ring<kFeed>(name, data, feed, sms, tiles, sink, clocks, start, stop)};
+    constexpr ring::Body kBody = decltype(body)::value;
+    return Result{name, time_ring<kFeed, kBody>(name, data, inputs, sms, tiles, sink, clocks,
+                                                start, stop)};
   };
   using Arrive = std::integral_constant<ring::Feed, ring::Feed::kArrive>;
   using Tma = std::integral_constant<ring::Feed, ring::Feed::kTma>;
   using Loads = std::integral_constant<ring::Feed, ring::Feed::kLoads>;
+  using Chain256 = std::integral_constant<ring::Body, ring::Body::kChain256>;
+  using Kernel = std::integral_constant<ring::Body, ring::Body::kKernel>;
   const Result runs[] = {
       loop(std::integral_constant<int, kChained>{}, "chained"),
       loop(std::integral_constant<int, kPromoted>{}, "promoted"),
@@ -778,10 +918,12 @@ int main(int argc, char** argv) {
       loop(std::integral_constant<int, kChain2>{}, "chain256"),
       loop_data(Data::kConst, "chain256_const"),
       loop_data(Data::kRandom, "chain256_random"),
-      ring_variant(Arrive{}, Data::kConst, "chain256_ring"),
-      ring_variant(Arrive{}, Data::kRandom, "chain256_ring_random"),
-      ring_variant(Tma{}, Data::kRandom, "chain256_ring_tma"),
-      ring_variant(Loads{}, Data::kRandom, "chain256_ring_loads"),
+      ring_variant(Arrive{}, Chain256{}, Data::kConst, "chain256_ring"),
+      ring_variant(Arrive{}, Chain256{}, Data::kRandom, "chain256_ring_random"),
+      ring_variant(Tma{}, Chain256{}, Data::kRandom, "chain256_ring_tma"),
+      ring_variant(Loads{}, Chain256{}, Data::kRandom, "chain256_ring_loads"),
+      ring_variant(Arrive{}, Kernel{}, Data::kRandom, "kernel_ring"),
+      ring_variant(Loads{}, Kernel{}, Data::kRandom, "kernel_loads"),
   };
   const cudaError_t err = cudaDeviceSynchronize();
   if (err != cudaSuccess) {
