@@ -23,13 +23,19 @@
 //              chain converted first (the kernel now converts each block of the first half
 //              just before its wgmma: kernel_ring below). With the version-2
 //              (sign-swizzled) weight words: 1,788 TFLOP/s against 1,678 with version 1 in
-//              the same run (2026-12-01, docs/performance.md).
+//              the same run (2026-12-01, docs/performance.md). Both K tiles are converted from
+//              the one packed tile, and ptxas merges most of the second conversion into the
+//              first: 309 SASS instructions per chain and warp, 20 prmt where the 16 words
+//              need 32 (chain256_2tiles: 420 with 32; the kernel's chain: ~500).
 //   chain256_const, chain256_random   chain256 compiled with the tiles' contents a kernel
 //              argument (ptxas schedules the loop with a few instructions swapped against
 //              chain256's, so the pair is one binary), run with chain256's constant tiles
 //              (1.0 x 0.5: few bits toggle in the tensor cores) and with random ones (finite
 //              e4m3 activations, random packed words, block exponents 120..127 under channel
 //              exponent 127): the tensor cores' data-dependent power and clock.
+//   chain256_2tiles   chain256_const with the chain's second K tile (activations, packed
+//              words, exponents) in its own shared memory, so that ptxas cannot merge its
+//              conversion away: chain256's full work per chain, the ring variants' baseline.
 // ring_loop: the kernel's launch shape, 384 threads: a producer warpgroup of which only warp 0
 // stays (setmaxnreg.dec to 24 registers, the other three warps exit) and the two consumer
 // warpgroups (setmaxnreg.inc to 240), with the kernel's 5-stage ring of full/empty mbarriers
@@ -40,8 +46,9 @@
 // on both stages' empty barriers; the producer waits on empty (parity ^ 1) and arms full,
 // then waits for the last stages' release (the kernel's producer tail). Every mbarrier wait
 // traps after kWatchdogNs, so a protocol bug fails the launch instead of hanging the GPU.
-//   chain256_ring     chain256's consumer loop on the ring; the producer only arrives, 33
-//              plain arrivals per stage (each lane once, lane 0 twice), no data movement.
+//   chain256_ring     chain256's consumer loop on the ring (against chain256_2tiles: the ring
+//              protocol, the producer warp and the 240-register budget); the producer only
+//              arrives, 33 plain arrivals per stage (each lane once, lane 0 twice), no data.
 //   chain256_ring_random   chain256_ring with random stages (each stage different; the same
 //              binary as chain256_ring).
 //   chain256_ring_tma      chain256_ring_random where lane 0 issues the kernel's two TMA loads
@@ -79,7 +86,14 @@
 
 namespace mila::bench {
 
-enum Variant : int { kChained = 0, kPromoted = 1, kConvert = 2, kPipelined = 3, kChain2 = 4 };
+enum Variant : int {
+  kChained = 0,
+  kPromoted = 1,
+  kConvert = 2,
+  kPipelined = 3,
+  kChain2 = 4,
+  kChain2Tiles = 5,  // chain256_2tiles
+};
 
 constexpr int kThreads = 256;          // two consumer warpgroups
 constexpr int kHalfBytes = 128 * 128;  // 128 activation rows x 128 K bytes: one n128 half
@@ -87,6 +101,9 @@ constexpr int kXBytes = 2 * kHalfBytes;
 constexpr int kWBytes = 128 * kPackedTile;  // packed weight rows of one K tile
 constexpr int kEBytes = 128 * kKBlocks;     // their block exponents
 constexpr int kSmemBytes = kXBytes + kWBytes + kEBytes + 1024;  // + alignment slack
+// chain256_2tiles: a second K tile from here (1024-byte aligned for the 128-byte swizzle).
+constexpr int kTile1Offset = (kXBytes + kWBytes + kEBytes + 1023) / 1024 * 1024;
+constexpr int kSmemBytes2Tiles = kTile1Offset + kXBytes + kWBytes + kEBytes + 1024;
 constexpr double kFlopPerTile = 2.0 * 4 * 2 * 64.0 * 128 * 32 * 2;  // 2 WG x 2 halves x 4 wgmma
 
 // ---- tile contents -----------------------------------------------------------------------
@@ -189,6 +206,11 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(int tiles, float* sink
   } else {
     fill_tile(static_cast<Data>(data_kind), smem, smem + kXBytes, smem + kXBytes + kWBytes, 0,
               threadIdx.x, kThreads);
+    if constexpr (kVariant == kChain2Tiles) {
+      uint8_t* tile1 = smem + kTile1Offset;
+      fill_tile(static_cast<Data>(data_kind), tile1, tile1 + kXBytes, tile1 + kXBytes + kWBytes,
+                1, threadIdx.x, kThreads);
+    }
   }
   ptx::sm90::fence_proxy_async_shared();  // generic-proxy stores, read by wgmma
   __syncthreads();
@@ -206,13 +228,15 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(int tiles, float* sink
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.f;
 
-  // The kernel's conversion of this thread's two weight rows of one K tile (fixed tile here).
-  auto convert = [&](uint32_t (&frag)[kKBlocks][4]) {
+  // The kernel's conversion of this thread's two weight rows of one K tile (fixed tile here;
+  // chain256_2tiles: tile 0 or 1 at byte `tile_offset`).
+  auto convert = [&](uint32_t (&frag)[kKBlocks][4], int tile_offset = 0) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = wrow0 + 8 * h;
-      const uint4 v = *reinterpret_cast<const uint4*>(smem + kXBytes + row * kPackedTile + q * 16);
-      const uint32_t exps = *reinterpret_cast<const uint32_t*>(smem + kXBytes + kWBytes +
+      const uint8_t* tile = smem + tile_offset;
+      const uint4 v = *reinterpret_cast<const uint4*>(tile + kXBytes + row * kPackedTile + q * 16);
+      const uint32_t exps = *reinterpret_cast<const uint32_t*>(tile + kXBytes + kWBytes +
                                                                row * kKBlocks);
 #pragma unroll
       for (int kb = 0; kb < kKBlocks; ++kb) {
@@ -229,11 +253,15 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(int tiles, float* sink
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns0));
 
   for (int t = 0; t < tiles; ++t) {
-    if constexpr (kVariant == kChain2) {
+    if constexpr (kVariant == kChain2 || kVariant == kChain2Tiles) {
       // Two K tiles per iteration (t advances twice), each converted into its own fragments.
+      // chain256 converts both from the same tile, and ptxas merges most of the second
+      // conversion into the first (the SASS loop is 309 instructions per chain, with 20 of the
+      // 32 prmt); chain256_2tiles reads the second K tile from its own shared memory.
+      constexpr int kTile1 = kVariant == kChain2Tiles ? kTile1Offset : 0;
       uint32_t a2[2][kKBlocks][4];
       convert(a2[0]);
-      convert(a2[1]);
+      convert(a2[1], kTile1);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float part[64];
@@ -242,7 +270,8 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(int tiles, float* sink
         for (int c = 0; c < 2; ++c)
 #pragma unroll
           for (int kb = 0; kb < kKBlocks; ++kb) {
-            const uint64_t desc = ptx::sm90::desc_k128b(base + h * kHalfBytes + kb * 32);
+            const uint64_t desc =
+                ptx::sm90::desc_k128b(base + c * kTile1 + h * kHalfBytes + kb * 32);
             if (c == 0 && kb == 0)
               ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a2[c][kb], desc);
             else
@@ -772,10 +801,11 @@ template <int kVariant, bool kDataArg = false>
 Timing time_loop(const char* name, Data data, int blocks, int tiles, float* sink,
                  unsigned long long* clocks, cudaEvent_t start, cudaEvent_t stop) {
   auto kernel = wgmma_loop<kVariant, kDataArg>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  constexpr int kBytes = kVariant == kChain2Tiles ? kSmemBytes2Tiles : kSmemBytes;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
   const int data_kind = static_cast<int>(data);
   return time_runs(
-      name, [&] { kernel<<<blocks, kThreads, kSmemBytes>>>(tiles, sink, clocks, data_kind); },
+      name, [&] { kernel<<<blocks, kThreads, kBytes>>>(tiles, sink, clocks, data_kind); },
       clocks, start, stop);
 }
 
@@ -894,10 +924,11 @@ int main(int argc, char** argv) {
     return Result{name, time_loop<kVariant>(name, Data::kConst, sms, tiles, sink, clocks, start,
                                             stop)};
   };
-  // chain256 in the binary whose tiles' contents are an argument, with each of them.
-  auto loop_data = [&](Data data, const char* name) {
-    return Result{name, time_loop<kChain2, true>(name, data, sms, tiles, sink, clocks, start,
-                                                 stop)};
+  // A variant compiled with the tiles' contents an argument.
+  auto loop_data = [&](auto variant, Data data, const char* name) {
+    constexpr int kVariant = decltype(variant)::value;
+    return Result{name, time_loop<kVariant, true>(name, data, sms, tiles, sink, clocks, start,
+                                                  stop)};
   };
   auto ring_variant = [&](auto feed_kind, auto body, Data data, const char* name) {
     constexpr ring::Feed kFeed = decltype(feed_kind)::value;
@@ -916,8 +947,9 @@ int main(int argc, char** argv) {
       loop(std::integral_constant<int, kConvert>{}, "convert"),
       loop(std::integral_constant<int, kPipelined>{}, "pipelined"),
       loop(std::integral_constant<int, kChain2>{}, "chain256"),
-      loop_data(Data::kConst, "chain256_const"),
-      loop_data(Data::kRandom, "chain256_random"),
+      loop_data(std::integral_constant<int, kChain2>{}, Data::kConst, "chain256_const"),
+      loop_data(std::integral_constant<int, kChain2>{}, Data::kRandom, "chain256_random"),
+      loop_data(std::integral_constant<int, kChain2Tiles>{}, Data::kConst, "chain256_2tiles"),
       ring_variant(Arrive{}, Chain256{}, Data::kConst, "chain256_ring"),
       ring_variant(Arrive{}, Chain256{}, Data::kRandom, "chain256_ring_random"),
       ring_variant(Tma{}, Chain256{}, Data::kRandom, "chain256_ring_tma"),
