@@ -1,8 +1,11 @@
 """W4A8 main-loop roofline on Hopper: builds benchmarks/micro/wgmma_fp8_loop.cu with nvcc and
 runs it (one CTA per SM; the wgmma_ws consumers' loop with its loads taken away, as chained
-accumulation, with the kernel's promotion, and with promotion plus weight conversion). Its
-header says what each variant keeps. Needs an sm_90 GPU and nvcc (PATH, $CUDA_HOME or
-/usr/local/cuda).
+accumulation, with the kernel's promotion, with promotion plus weight conversion, with random
+instead of constant data; then with the kernel's surroundings put back one at a time: its
+384-thread launch with the 5-stage full/empty mbarrier ring and a producer warp, the producer's
+TMA loads and exponent copies, and the kernel's own consumer chain). Its header says what each
+variant keeps. Prints a table, one line per variant: time, TFLOP/s over all SMs, the SM clock.
+Needs an sm_90 GPU and nvcc (PATH, $CUDA_HOME or /usr/local/cuda).
 
     python3 benchmarks/wgmma_loop.py [--tiles 4096]
 """
@@ -32,7 +35,8 @@ def _nvcc() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiles", type=int, default=4096, help="K tiles per CTA (default 4096)")
+    parser.add_argument("--tiles", type=int, default=4096,
+                        help="K tiles per CTA, even (default 4096)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         exe = os.path.join(tmp, "wgmma_fp8_loop")
