@@ -36,6 +36,13 @@ SHAPES = {
     "o_proj_global": (3840, 8192),
     "gate+up": (30720, 3840),
     "down": (3840, 15360),
+    # The projections as jax_mila.gemma4 runs them (one call each; the fused names above are
+    # the shapes): sliding layers' q and k / v, both layers' gate / up, global k.
+    "q_sliding": (4096, 3840),
+    "kv_sliding": (2048, 3840),
+    "gate": (15360, 3840),
+    "q_global": (8192, 3840),
+    "k_global": (512, 3840),
 }
 # Measured anchors at M=16384 (specs/anchors.md), for the table.
 XLA_FP8_SCALED_ANCHOR = {"qkv": 697, "q+k_global": 740}
