@@ -2,7 +2,8 @@
 // with the loads taken away, to tell whether its structure or its feeding bounds the kernel,
 // and with the kernel's surroundings put back one at a time (the ring variants), to find where
 // the kernel loses against the loop. kernel_ring and kernel_loads hold a marked copy of the
-// kernel's consumer chain: keep the two in step.
+// kernel's consumer chain (kernel_ring_convert_first and kernel_ring_fixed_lut that copy with
+// one change each): keep the copy in step with the kernel.
 // wgmma_loop: one CTA per SM, two consumer warpgroups; B (activations) is a fixed 32 KB
 // shared-memory tile in the kernel's 128-byte swizzle, A (weights) comes from registers. Per
 // "K tile", as in the kernel: 64 x 256 x 128 per warpgroup (e4m3, fp32 accumulation).
@@ -66,6 +67,14 @@
 //              tables from a global array): the kernel's main loop as one endless output tile
 //              (no tile loop, no epilogue). kernel_ring is the loop of the kernel's TIMING_ONLY
 //              build, kernel_loads that of the normal build with every load an L2 hit.
+//   kernel_ring_convert_first   kernel_ring with one change: the chain's whole conversion
+//              (every block of both K tiles, still from the rows loaded whole per stage and
+//              the per-row tables) before the first wgmma, then one wgmma.fence and the first
+//              half's 8 wgmmas back to back, as chain256 (the second half as before).
+//   kernel_ring_fixed_lut   kernel_ring with one change: one fixed row_lut(127) for every row,
+//              as chain256_ring_random, instead of the per-row tables from the channel
+//              exponent array (which holds 127 too, but as loaded values). The stages' block
+//              exponents are fill_tile's random 120..127, within that table's -12..0.
 // Prints one line per variant: TFLOP/s over all SMs and the SM clock block 0 saw (values are
 // not checked: not a test).
 //
@@ -584,11 +593,22 @@ __device__ __forceinline__ float consume_chain256(int tiles, const uint8_t* smem
   return sum;
 }
 
+// The consumers' loop of a ring variant.
+enum class Body {
+  kChain256,            // chain256's (consume_chain256)
+  kKernel,              // the kernel's (consume_kernel)
+  kKernelConvertFirst,  // the kernel's, the whole chain converted before its first wgmma
+  kKernelFixedLut,      // the kernel's, one fixed row_lut(127) for every row
+};
+
 // ---- marked copy of w4a8_sm90_ws.cu's consumers: keep in step ------------------------------
 // The kernel's consumer loop over one endless output tile (kernel_ring, kernel_loads): its
 // thread indices, row tables (the tile's channel exponents, here one 128-byte array), RowWords,
 // load_rows, convert and chain as in the kernel, kChain = 2 (`tiles` is even); without the tile
-// loop, the row scales' cp.async and the epilogue. Returns the masters' sum.
+// loop, the row scales' cp.async and the epilogue. Returns the masters' sum. kBody: kKernel is
+// the copy as is; the two one-change variants (header comment) differ only where they test
+// kBody (`if constexpr`).
+template <Body kBody>
 __device__ __forceinline__ float consume_kernel(int tiles, const uint8_t* smem,
                                                 uint32_t smem_base, uint32_t full_bar,
                                                 uint32_t empty_bar, const uint8_t* channel_exp) {
@@ -602,7 +622,12 @@ __device__ __forceinline__ float consume_kernel(int tiles, const uint8_t* smem,
   RingPos pos;
   RowLut lut[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) lut[h] = row_lut(channel_exp[wrow0 + 8 * h]);
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (kBody == Body::kKernelFixedLut)
+      lut[h] = row_lut(127);  // kernel_ring_fixed_lut: chain256's one fixed table
+    else
+      lut[h] = row_lut(channel_exp[wrow0 + 8 * h]);
+  }
 
   struct RowWords {
     uint4 w;
@@ -643,16 +668,36 @@ __device__ __forceinline__ float consume_kernel(int tiles, const uint8_t* smem,
       mbar_wait(full_bar + 8 * st[c], pos.phase);
       RowWords rows[2];
       load_rows(st[c], rows);
+      if constexpr (kBody == Body::kKernelConvertFirst) {
+        // kernel_ring_convert_first: convert the K tile whole; its wgmmas follow the chain.
 #pragma unroll
-      for (int kb = 0; kb < kKBlocks; ++kb) {
-        convert(rows, kb, a[c][kb]);
-        ptx::sm90::wgmma_fence();  // the fragment's registers were just written
-        const uint64_t desc = ptx::sm90::desc_k128b(sx[c] + kb * 32);
-        if (c == 0 && kb == 0)
-          ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[c][kb], desc);
-        else
-          ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a[c][kb], desc);
+        for (int kb = 0; kb < kKBlocks; ++kb) convert(rows, kb, a[c][kb]);
+      } else {
+#pragma unroll
+        for (int kb = 0; kb < kKBlocks; ++kb) {
+          convert(rows, kb, a[c][kb]);
+          ptx::sm90::wgmma_fence();  // the fragment's registers were just written
+          const uint64_t desc = ptx::sm90::desc_k128b(sx[c] + kb * 32);
+          if (c == 0 && kb == 0)
+            ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[c][kb], desc);
+          else
+            ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a[c][kb], desc);
+        }
       }
+    }
+    if constexpr (kBody == Body::kKernelConvertFirst) {
+      // kernel_ring_convert_first: one fence, then the first half's 8 wgmmas back to back.
+      ptx::sm90::wgmma_fence();
+#pragma unroll
+      for (int c = 0; c < kChain; ++c)
+#pragma unroll
+        for (int kb = 0; kb < kKBlocks; ++kb) {
+          const uint64_t desc = ptx::sm90::desc_k128b(sx[c] + kb * 32);
+          if (c == 0 && kb == 0)
+            ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[c][kb], desc);
+          else
+            ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a[c][kb], desc);
+        }
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -694,12 +739,6 @@ __device__ __forceinline__ float consume_kernel(int tiles, const uint8_t* smem,
   for (int i = 0; i < 128; ++i) sum += acc[i];
   return sum;
 }
-
-// The consumers' loop of a ring variant.
-enum class Body {
-  kChain256,  // chain256's (consume_chain256)
-  kKernel,    // the kernel's (consume_kernel)
-};
 
 // The kernel's launch shape and ring around a consumer loop (header comment). tmap_x, tmap_w,
 // scales: the TMA feeds' global K tiles, channel_exp: consume_kernel's 128 channel exponents
@@ -750,7 +789,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if constexpr (kBody == Body::kChain256)
     sum = consume_chain256(tiles, smem, smem_base, full_bar, empty_bar);
   else
-    sum = consume_kernel(tiles, smem, smem_base, full_bar, empty_bar, channel_exp);
+    sum = consume_kernel<kBody>(tiles, smem, smem_base, full_bar, empty_bar, channel_exp);
   sink[blockIdx.x * kConsumerThreads + tid - (kThreads - kConsumerThreads)] = sum;
   if (blockIdx.x == 0 && tid == kThreads - kConsumerThreads) {
     const uint64_t ns1 = global_timer_ns();
@@ -941,6 +980,9 @@ int main(int argc, char** argv) {
   using Loads = std::integral_constant<ring::Feed, ring::Feed::kLoads>;
   using Chain256 = std::integral_constant<ring::Body, ring::Body::kChain256>;
   using Kernel = std::integral_constant<ring::Body, ring::Body::kKernel>;
+  using KernelConvertFirst =
+      std::integral_constant<ring::Body, ring::Body::kKernelConvertFirst>;
+  using KernelFixedLut = std::integral_constant<ring::Body, ring::Body::kKernelFixedLut>;
   const Result runs[] = {
       loop(std::integral_constant<int, kChained>{}, "chained"),
       loop(std::integral_constant<int, kPromoted>{}, "promoted"),
@@ -956,6 +998,8 @@ int main(int argc, char** argv) {
       ring_variant(Loads{}, Chain256{}, Data::kRandom, "chain256_ring_loads"),
       ring_variant(Arrive{}, Kernel{}, Data::kRandom, "kernel_ring"),
       ring_variant(Loads{}, Kernel{}, Data::kRandom, "kernel_loads"),
+      ring_variant(Arrive{}, KernelConvertFirst{}, Data::kRandom, "kernel_ring_convert_first"),
+      ring_variant(Arrive{}, KernelFixedLut{}, Data::kRandom, "kernel_ring_fixed_lut"),
   };
   const cudaError_t err = cudaDeviceSynchronize();
   if (err != cudaSuccess) {
