@@ -1000,6 +1000,13 @@ int main(int argc, char** argv) {
       ring_variant(Loads{}, Kernel{}, Data::kRandom, "kernel_loads"),
       ring_variant(Arrive{}, KernelConvertFirst{}, Data::kRandom, "kernel_ring_convert_first"),
       ring_variant(Arrive{}, KernelFixedLut{}, Data::kRandom, "kernel_ring_fixed_lut"),
+      // The last four again, in reverse order: whether a variant's clock is its own (the two
+      // runs agree) or the GPU's state at that point of the sequence (they drift with it).
+      ring_variant(Arrive{}, KernelFixedLut{}, Data::kRandom, "kernel_ring_fixed_lut (again)"),
+      ring_variant(Arrive{}, KernelConvertFirst{}, Data::kRandom,
+                   "kernel_ring_convert_first (again)"),
+      ring_variant(Arrive{}, Kernel{}, Data::kRandom, "kernel_ring (again)"),
+      ring_variant(Arrive{}, Chain256{}, Data::kRandom, "chain256_ring_random (again)"),
   };
   const cudaError_t err = cudaDeviceSynchronize();
   if (err != cudaSuccess) {

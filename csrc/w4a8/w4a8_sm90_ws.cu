@@ -27,7 +27,9 @@
 //   * persistent: grid = min(#SMs, tiles), tile t = blockIdx.x + i * gridDim.x in the grouped
 //     raster of w4a8_convert.cuh (8 M tiles per N tile: the weight tile and the group's
 //     activation tiles are reused from L2). The producer runs ahead into the next tile's stages
-//     while the consumers store the previous tile, so the epilogue overlaps the loads.
+//     while the consumers store the previous tile, so the epilogue overlaps the loads. The
+//     tiles of a last, partial wave may be split along K over all SMs (stream-K, "schedule"
+//     below), their float32 partial sums passed through a workspace in global memory.
 //   * epilogue: x_scale[m] * 2^(channel_exp - 133), bf16 rounding, staged per warpgroup through
 //     its own 64 x 64 shared buffer with stmatrix.trans (four passes of 64 activation rows;
 //     named barrier of the warpgroup only; the row scales were copied in at the tile's start),
@@ -57,6 +59,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>  // printf of the watchdog (MILA_W4A8_WS_DEBUG)
+#include <cstdlib>
+#include <string_view>
 #include <type_traits>
 
 #include "common/ptx.cuh"
@@ -227,7 +231,12 @@ __device__ __forceinline__ void wait_flag(const uint32_t* flag) {
 
 // ---- kernel ---------------------------------------------------------------------------------
 
-template <typename OutT>
+// kInterleave: the first half's wgmma of each weight block is issued right after that block's
+// conversion (behind its own wgmma.fence); otherwise the chain's blocks are all converted
+// first, then one fence and the half's wgmmas back to back (JAX_MILA_W4A8_WS_CONVERT=first, a
+// diagnostic: benchmarks/micro/wgmma_fp8_loop.cu ran the interleaved chain at a ~13% lower SM
+// clock than the convert-first one, at the same work per clock).
+template <typename OutT, bool kInterleave>
 __global__ void __launch_bounds__(kThreads, 1)
     w4a8_wgmma_ws_kernel(const __grid_constant__ CUtensorMap tmap_x,
                          const __grid_constant__ CUtensorMap tmap_w, const W4A8Args args,
@@ -428,23 +437,25 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int kb = 0; kb < kKBlocks; ++kb) {
           convert(rows, kb, a[c][kb]);
-          ptx::sm90::wgmma_fence();  // the fragment's registers were just written
-          const uint64_t desc = ptx::sm90::desc_k128b(sx[c] + kb * 32);
-          if (c == 0 && kb == 0)
-            ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[c][kb], desc);
-          else
-            ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a[c][kb], desc);
+          if constexpr (kInterleave) {
+            ptx::sm90::wgmma_fence();  // the fragment's registers were just written
+            const uint64_t desc = ptx::sm90::desc_k128b(sx[c] + kb * 32);
+            if (c == 0 && kb == 0)
+              ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[c][kb], desc);
+            else
+              ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a[c][kb], desc);
+          }
         }
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        if (h == 1) {
+        if (h == 1 || !kInterleave) {
           ptx::sm90::wgmma_fence();
 #pragma unroll
           for (int c = 0; c < kChain; ++c)
 #pragma unroll
             for (int kb = 0; kb < kKBlocks; ++kb) {
-              const uint64_t desc = ptx::sm90::desc_k128b(sx[c] + kXHalf + kb * 32);
+              const uint64_t desc = ptx::sm90::desc_k128b(sx[c] + h * kXHalf + kb * 32);
               if (c == 0 && kb == 0)
                 ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[c][kb], desc);
               else
@@ -634,7 +645,11 @@ cudaError_t LaunchTyped(const W4A8Args& args, bool stream_k, cudaStream_t stream
   if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
   if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess)
     return err;
-  auto kernel = w4a8_wgmma_ws_kernel<OutT>;
+  static const bool convert_first = [] {
+    const char* v = std::getenv("JAX_MILA_W4A8_WS_CONVERT");
+    return v != nullptr && std::string_view(v) == "first";
+  }();
+  auto kernel = convert_first ? w4a8_wgmma_ws_kernel<OutT, false> : w4a8_wgmma_ws_kernel<OutT, true>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
   const int64_t slots =
