@@ -14,10 +14,9 @@
 //     first warp waits until the consumers have released the last stages (producer tail).
 //   * warpgroups 1 and 2, the consumers (setmaxnreg.inc to 240): weight rows 64 w .. 64 w + 63
 //     of the tile each, all 256 activation rows. Per promotion chain of two K tiles (256 long),
-//     per n128 half of the activation rows: 8 wgmmas into a fresh partial sum (the first half
-//     converts each block's two weight rows per thread into e4m3 A fragments just before its
-//     wgmma; the second reuses them), wait, add it into the masters; then release both
-//     stages. The two warpgroups are not
+//     per n128 half of the activation rows: 8 wgmmas into a fresh partial sum (every block's
+//     two weight rows per thread are first converted into e4m3 A fragments, which both halves
+//     use), wait, add it into the masters; then release both stages. The two warpgroups are not
 //     synchronized with each other: while one drains and adds, the other's batch runs.
 //     Why two tiles per chain: a warpgroup's drain-add-reissue turnaround (~400 cycles) was
 //     longer than the other warpgroup's 4-wgmma batch (~256 cycles at full rate), so the tensor
@@ -232,10 +231,12 @@ __device__ __forceinline__ void wait_flag(const uint32_t* flag) {
 // ---- kernel ---------------------------------------------------------------------------------
 
 // kInterleave: the first half's wgmma of each weight block is issued right after that block's
-// conversion (behind its own wgmma.fence); otherwise the chain's blocks are all converted
-// first, then one fence and the half's wgmmas back to back (JAX_MILA_W4A8_WS_CONVERT=first, a
-// diagnostic: benchmarks/micro/wgmma_fp8_loop.cu ran the interleaved chain at a ~13% lower SM
-// clock than the convert-first one, at the same work per clock).
+// conversion, behind its own wgmma.fence (JAX_MILA_W4A8_WS_CONVERT=interleaved, kept for
+// comparison); by default the chain's blocks are all converted first, then one fence and the
+// half's 8 wgmmas back to back. Same wgmmas in the same order, so the same sums; measured on
+// the H200 (2026-12-01, docs/performance.md) convert-first ran 4.5% more FLOP per SM clock in
+// benchmarks/micro/wgmma_fp8_loop.cu and 5-19% faster in the kernel (qkv, gate+up, down at
+// M = 16384), where the interleaved order had looked ~1% better in an ncu profile.
 template <typename OutT, bool kInterleave>
 __global__ void __launch_bounds__(kThreads, 1)
     w4a8_wgmma_ws_kernel(const __grid_constant__ CUtensorMap tmap_x,
@@ -416,12 +417,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // the masters. Two tiles per chain halve the waits and adds per wgmma: the tensor cores
     // idle while a warpgroup drains, adds and reissues, and a 4-wgmma batch (~256 cycles) of
     // the other warpgroup did not cover that (benchmarks/wgmma_loop.py: 1,437 TFLOP/s promoted
-    // per tile against 1,943 unpromoted). The first half converts each block's weights just
-    // before its wgmma, so that the conversion of block i + 1 runs while wgmma i does (each
-    // block has its own registers, untouched while in flight); the second half reuses the
-    // fragments. Converting the whole chain first, the conversion held ~24% of the consumers'
-    // stall samples; interleaved, the first half's wait fell from 11% to 5% of them, but the
-    // tensor pipe's busy share only rose from 61.6% to 62.6% (ncu, docs/performance.md).
+    // per tile against 1,943 unpromoted). The chain's weight blocks are converted into their
+    // own registers first (or, kInterleave, each just before its first-half wgmma, behind its
+    // own fence: see the kernel's template parameter for why that is no longer the default);
+    // the second half reuses the fragments.
     auto chain = [&](auto tiles_in_chain) {
       constexpr int kChain = decltype(tiles_in_chain)::value;
       uint32_t a[kChain][kKBlocks][4];
@@ -645,11 +644,11 @@ cudaError_t LaunchTyped(const W4A8Args& args, bool stream_k, cudaStream_t stream
   if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
   if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess)
     return err;
-  static const bool convert_first = [] {
+  static const bool interleave = [] {
     const char* v = std::getenv("JAX_MILA_W4A8_WS_CONVERT");
-    return v != nullptr && std::string_view(v) == "first";
+    return v != nullptr && std::string_view(v) == "interleaved";
   }();
-  auto kernel = convert_first ? w4a8_wgmma_ws_kernel<OutT, false> : w4a8_wgmma_ws_kernel<OutT, true>;
+  auto kernel = interleave ? w4a8_wgmma_ws_kernel<OutT, true> : w4a8_wgmma_ws_kernel<OutT, false>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
   const int64_t slots =
