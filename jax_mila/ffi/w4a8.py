@@ -41,11 +41,11 @@ a float64 product: relative Frobenius error 5.6e-8 with out_dtype=float32 and 1.
 bfloat16 (the bf16 rounding of the output alone is 1.7e-3). The MXFP4 weight quantization itself
 costs ~12% relative error against unquantized Gaussian weights (e2m1 has one mantissa bit).
 
-Status (H200, 2026-11-30): all three kernels pass tests/test_w4a8.py's GPU class (odd M,
-poisoned outputs, exponent-floor exactness; K=15360 relative error 6.0e-8 for mma_sync, 5.6e-5
-for wgmma, under 4e-4 for wgmma_ws, float32 out); at M=16384 wgmma_ws runs 976-1008 TFLOP/s
-against wgmma's 837-912 (docs/performance.md), hence "auto". JAX_MILA_DISABLE=w4a8_matmul routes
-to the reference.
+Status (H200, 2026-12-01): every kernel passes tests/test_w4a8.py's GPU class (odd M,
+poisoned outputs, exponent-floor exactness, stream-K splits; K=15360 relative error 6.0e-8 for
+mma_sync, 5.6e-5 for wgmma, under 4e-4 for wgmma_ws, float32 out); at M=16384 wgmma_ws runs
+1,160-1,349 TFLOP/s on the 12B's qkv, down and gate+up (wgmma: 837-912; docs/performance.md),
+hence "auto". JAX_MILA_DISABLE=w4a8_matmul routes to the reference.
 """
 
 from __future__ import annotations
