@@ -275,17 +275,9 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(int tiles, float* sink
       for (int h = 0; h < 2; ++h) {
         float part[64];
         ptx::sm90::wgmma_fence();
-#pragma unroll
-        for (int c = 0; c < 2; ++c)
-#pragma unroll
-          for (int kb = 0; kb < kKBlocks; ++kb) {
-            const uint64_t desc =
-                ptx::sm90::desc_k128b(base + c * kTile1 + h * kHalfBytes + kb * 32);
-            if (c == 0 && kb == 0)
-              ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a2[c][kb], desc);
-            else
-              ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a2[c][kb], desc);
-          }
+        wgmma_chain_half(part, a2, [&](int c, int kb) {
+          return ptx::sm90::desc_k128b(base + c * kTile1 + h * kHalfBytes + kb * 32);
+        });
         ptx::sm90::wgmma_commit();
         ptx::sm90::wgmma_wait<0>();
         promote(part, acc, h);
@@ -561,17 +553,9 @@ __device__ __forceinline__ float consume_chain256(int tiles, const uint8_t* smem
     for (int h = 0; h < 2; ++h) {
       float part[64];
       ptx::sm90::wgmma_fence();
-#pragma unroll
-      for (int c = 0; c < 2; ++c)
-#pragma unroll
-        for (int kb = 0; kb < kKBlocks; ++kb) {
-          const uint64_t desc =
-              ptx::sm90::desc_k128b(smem_base + st[c] * kXStage + h * kHalfBytes + kb * 32);
-          if (c == 0 && kb == 0)
-            ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a2[c][kb], desc);
-          else
-            ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a2[c][kb], desc);
-        }
+      wgmma_chain_half(part, a2, [&](int c, int kb) {
+        return ptx::sm90::desc_k128b(smem_base + st[c] * kXStage + h * kHalfBytes + kb * 32);
+      });
       ptx::sm90::wgmma_commit();
       ptx::sm90::wgmma_wait<0>();
       promote(part, acc, h);
@@ -688,31 +672,16 @@ __device__ __forceinline__ float consume_kernel(int tiles, const uint8_t* smem,
     if constexpr (kBody == Body::kKernelConvertFirst) {
       // kernel_ring_convert_first: one fence, then the first half's 8 wgmmas back to back.
       ptx::sm90::wgmma_fence();
-#pragma unroll
-      for (int c = 0; c < kChain; ++c)
-#pragma unroll
-        for (int kb = 0; kb < kKBlocks; ++kb) {
-          const uint64_t desc = ptx::sm90::desc_k128b(sx[c] + kb * 32);
-          if (c == 0 && kb == 0)
-            ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[c][kb], desc);
-          else
-            ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a[c][kb], desc);
-        }
+      wgmma_chain_half(part, a,
+                       [&](int c, int kb) { return ptx::sm90::desc_k128b(sx[c] + kb * 32); });
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (h == 1) {
         ptx::sm90::wgmma_fence();
-#pragma unroll
-        for (int c = 0; c < kChain; ++c)
-#pragma unroll
-          for (int kb = 0; kb < kKBlocks; ++kb) {
-            const uint64_t desc = ptx::sm90::desc_k128b(sx[c] + kHalfBytes + kb * 32);
-            if (c == 0 && kb == 0)
-              ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[c][kb], desc);
-            else
-              ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a[c][kb], desc);
-          }
+        wgmma_chain_half(part, a, [&](int c, int kb) {
+          return ptx::sm90::desc_k128b(sx[c] + kHalfBytes + kb * 32);
+        });
       }
       ptx::sm90::wgmma_commit();
       ptx::sm90::wgmma_wait<0>();

@@ -80,5 +80,23 @@ __device__ __forceinline__ void tile_coords(int pid, int tiles_m, int tiles_n, i
   tn = (pid % group) / gm;
 }
 
+// One n128 half of a promotion chain (sm_90a): a wgmma.m64n128k32 per converted weight block of
+// the chain's kChain K tiles, into `part`, the first overwriting it (scale-d 0); desc(c, kb) is
+// the shared-memory descriptor of block kb of tile c's activations.
+template <int kChain, typename Desc>
+__device__ __forceinline__ void wgmma_chain_half(float (&part)[64],
+                                                 const uint32_t (&a)[kChain][kKBlocks][4],
+                                                 Desc desc) {
+#pragma unroll
+  for (int c = 0; c < kChain; ++c)
+#pragma unroll
+    for (int kb = 0; kb < kKBlocks; ++kb) {
+      if (c == 0 && kb == 0)
+        ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[c][kb], desc(c, kb));
+      else
+        ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a[c][kb], desc(c, kb));
+    }
+}
+
 }  // namespace
 }  // namespace mila

@@ -450,16 +450,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int h = 0; h < 2; ++h) {
         if (h == 1 || !kInterleave) {
           ptx::sm90::wgmma_fence();
-#pragma unroll
-          for (int c = 0; c < kChain; ++c)
-#pragma unroll
-            for (int kb = 0; kb < kKBlocks; ++kb) {
-              const uint64_t desc = ptx::sm90::desc_k128b(sx[c] + h * kXHalf + kb * 32);
-              if (c == 0 && kb == 0)
-                ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[c][kb], desc);
-              else
-                ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a[c][kb], desc);
-            }
+          wgmma_chain_half(part, a, [&](int c, int kb) {
+            return ptx::sm90::desc_k128b(sx[c] + h * kXHalf + kb * 32);
+          });
         }
         ptx::sm90::wgmma_commit();
         ptx::sm90::wgmma_wait<0>();
