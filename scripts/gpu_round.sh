@@ -8,7 +8,8 @@
 # Narrower rounds override the selections (pytest arguments, quoted as in a shell):
 #   TESTS="tests/test_quantize.py -k Kernel" SANITIZE_OPS=quantize \
 #   BENCHES="benchmarks/quantize.py" SANITIZE="memcheck initcheck" bash scripts/gpu_round.sh
-# BENCHES entries are separated by ';' and may start with VAR=value words for that entry alone.
+# BENCHES entries are separated by ';' and may start with VAR=value words for that entry alone;
+# an entry is split into shell words, so quotes keep an argument whole (pytest -k "a or b").
 # On a machine with two GPUs, SIDE entries (same form) run on the second GPU meanwhile, and
 # MULTI entries run last with every GPU visible (multi-device runs):
 #   SIDE="scripts/fidelity.py --model 12b --tokens 8192" \
@@ -57,7 +58,7 @@ fi
 # compile must not eat the round); its output is appended to the log named second.
 run_entry() {  # entry, log, timeout
   local words envs=() cmd
-  read -ra words <<< "$1"
+  eval "words=($1)"  # shell words: quoted arguments (e.g. -k "a or b") stay whole
   while [[ ${words[0]} == *=* ]]; do envs+=("${words[0]}"); words=("${words[@]:1}"); done
   echo "== ${envs[*]} ${words[*]}" >> "$2"
   if [ "${words[0]}" = pytest ]; then
