@@ -119,6 +119,28 @@ __device__ __forceinline__ void named_barrier_sync_unaligned(int id, int nthread
   asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
 }
 
+// ---- predicated 16-byte global loads (rms_norm_quantize) --------------------
+
+// 16 bytes from global memory through the non-coherent path, or zeros (and no access) where
+// !valid. kNoAllocate: L1::no_allocate, for data read once, so that it does not evict data that
+// is reused (the norm weights, read by every row).
+template <bool kNoAllocate>
+__device__ __forceinline__ uint4 ld_nc_v4_or_zero(const void* ptr, bool valid) {
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+  if constexpr (kNoAllocate) {
+    asm("{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\n"
+        "@p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
+        : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+        : "l"(ptr), "r"(static_cast<int>(valid)));
+  } else {
+    asm("{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\n"
+        "@p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
+        : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+        : "l"(ptr), "r"(static_cast<int>(valid)));
+  }
+  return v;
+}
+
 // ---- flags between CTAs (w4a8 stream-K) -------------------------------------
 
 // A 32-bit flag in global memory, read with acquire / written with release at GPU scope: the

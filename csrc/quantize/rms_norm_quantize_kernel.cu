@@ -157,36 +157,14 @@ __device__ __forceinline__ RowScale row_scale(float amax) {
 // A 16-byte chunk of a streamed input (x, branch: each read once), or zero where !valid. Not
 // allocated in L1, which keeps the weights (read by every row) there.
 __device__ __forceinline__ uint4 load_stream(const uint4* ptr, bool valid) {
-  uint4 v;
-  asm("{\n"
-      "  .reg .pred p;\n"
-      "  setp.ne.b32 p, %5, 0;\n"
-      "  mov.b32 %0, 0;\n"
-      "  mov.b32 %1, 0;\n"
-      "  mov.b32 %2, 0;\n"
-      "  mov.b32 %3, 0;\n"
-      "  @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-      "}\n"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(ptr), "r"(static_cast<int>(valid)));
-  return v;
+  return ptx::ld_nc_v4_or_zero<true>(ptr, valid);
 }
 
 // 4 weights through L1 (ld.global.nc), zeros where !valid.
 __device__ __forceinline__ float4 load_weight4(const float4* ptr, bool valid) {
-  float4 v;
-  asm("{\n"
-      "  .reg .pred p;\n"
-      "  setp.ne.b32 p, %5, 0;\n"
-      "  mov.b32 %0, 0;\n"
-      "  mov.b32 %1, 0;\n"
-      "  mov.b32 %2, 0;\n"
-      "  mov.b32 %3, 0;\n"
-      "  @p ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-      "}\n"
-      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-      : "l"(ptr), "r"(static_cast<int>(valid)));
-  return v;
+  const uint4 v = ptx::ld_nc_v4_or_zero<false>(ptr, valid);
+  return make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z),
+                     __uint_as_float(v.w));
 }
 
 // A chunk's 8 weights, or zeros where !valid (the padding past a row's end).
