@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
+import sys
+import tempfile
 from unittest import mock
 
 import jax
@@ -43,6 +46,18 @@ def _operands(m, n, k, seed, *, lead=None, w_scale=None):
         w = w * jnp.exp2(jax.random.randint(kc, (n, 1), -w_scale, w_scale + 1).astype(jnp.float32))
     xq, xs = ffi.quantize_activations(x.astype(jnp.bfloat16))
     return xq, xs, quant.quantize_mxfp4(w)
+
+
+def _conversion_order_output(seed: int) -> np.ndarray:
+    """wgmma_ws's float32 and bf16 outputs (as float32) for a few shapes, concatenated: what
+    test_conversion_orders_agree_bitwise compares across processes."""
+    outs = []
+    for m, n, k in ((97, 264, 384), (300, 264, 1664), (1, 8, 128)):
+        xq, xs, w = _operands(m, n, k, seed + m)
+        for dtype in (jnp.float32, jnp.bfloat16):
+            y = ffi.w4a8_matmul(xq, xs, w, out_dtype=dtype, kernel="wgmma_ws")
+            outs.append(np.asarray(y, np.float32).ravel())
+    return np.concatenate(outs)
 
 
 def _exact_product(xq, xs, w):
@@ -329,6 +344,23 @@ class W4A8KernelTest(parameterized.TestCase):
         # wgmma_ws_dp runs the same kernel on whole tiles. Both against the reference.
         for kernel in ("wgmma_ws", "wgmma_ws_dp"):
             self._check(*mnk, kernel)
+
+    def test_conversion_orders_agree_bitwise(self):
+        # wgmma_ws converts a chain's weights before its wgmmas; JAX_MILA_W4A8_WS_CONVERT=
+        # interleaved (read once per process) converts each block just before its first-half
+        # wgmma. The same wgmmas run in the same order either way: the outputs must be equal
+        # bit for bit (a split tile included: (300, 264, 1664) is cut by stream-K).
+        self._require("wgmma_ws")
+        seed = _seed()
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "interleaved.npy")
+            env = dict(os.environ, JAX_MILA_W4A8_WS_CONVERT="interleaved")
+            code = (f"import sys; sys.path[:0] = {sys.path!r}; import numpy as np; "
+                    f"import test_w4a8 as t; np.save({out!r}, t._conversion_order_output({seed}))")
+            subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                           cwd=os.path.dirname(os.path.abspath(__file__)))
+            np.testing.assert_array_equal(_conversion_order_output(seed), np.load(out),
+                                          err_msg=f"seed={seed}")
 
     @parameterized.parameters(*KERNELS)
     def test_more_tiles_than_sms(self, kernel):
