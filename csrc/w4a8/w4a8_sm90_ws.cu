@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // This thread's two weight rows of one stage: its word of each block (the 8 codes of k
     // 4q.. and 16+4q..; kernel order puts the four blocks' words of quad column q in bytes
     // 16q..16q+15) and the row's four block exponents (byte kb). Loaded whole right after the
-    // stage's full barrier, ahead of the interleaved conversion: per-block loads put a
+    // stage's full barrier, ahead of the conversion: per-block loads put a
     // shared-memory round trip in front of every block's conversion (ncu: short-scoreboard
     // stalls at the exponent IMADs), and their 4-byte words at a 16-byte stride hit each bank
     // 4 times per warp. Held, they cost 10 registers per stage, which the 240 cover.
