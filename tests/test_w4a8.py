@@ -151,6 +151,20 @@ class W4A8ReferenceTest(parameterized.TestCase):
         np.testing.assert_array_equal(np.asarray(y),
                                       np.asarray(reference.w4a8_matmul(xq, xs, w)))
 
+    def test_stream_k_workspace_size(self):
+        # One 128 KiB float32 slot per SM (+ 4 KiB of flags) where wgmma_ws may run ("auto",
+        # "wgmma_ws"); a token elsewhere; an H200's 132 SMs when the devices do not say.
+        slot, flags = 128 * 256 * 4, 4096
+        devices = [mock.Mock(core_count=132), mock.Mock(core_count=148)]
+        with mock.patch.object(w4a8_module.jax, "devices", return_value=devices):
+            for kernel in ("auto", "wgmma_ws"):
+                self.assertEqual(w4a8_module._workspace_bytes(w4a8_module.KERNELS[kernel]),
+                                 flags + 148 * slot)
+            for kernel in ("mma_sync", "wgmma", "wgmma_ws_dp"):
+                self.assertEqual(w4a8_module._workspace_bytes(w4a8_module.KERNELS[kernel]), 16)
+        with mock.patch.object(w4a8_module.jax, "devices", side_effect=RuntimeError("no cuda")):
+            self.assertEqual(w4a8_module._workspace_bytes(0), flags + 132 * slot)
+
     def test_auto_picks_wgmma_ws_only_on_sm90_with_sm90a_code(self):
         # (build archs, GPUs) -> (auto_kernel(), the handler's variant for "auto"). Variant 0
         # lets the handler pick wgmma_ws per 9.0 device; without sm_90a code it must be mma_sync (1).
