@@ -243,10 +243,7 @@ def geglu_quantization_problem(gate, up, q, scale, *, tanh_error: float = GEGLU_
         h_lo, h_hi = geglu_h_interval(g[rows], u[rows], tanh_error=tanh_error)
         qr, sr = qv[rows], s[rows]
         c = _quantized_rows_check(h_lo, h_hi, qr, sr)
-        for r in np.flatnonzero(~c.ok_row):
-            bad_rows.append(f"row {r0 + r}: scale {sr[r]!r} (amax {c.amax[r]!r}, max |code| "
-                            f"{np.abs(qr[r]).max()!r}), admissible amax "
-                            f"[{c.amax_lo[r]!r}, {c.amax_hi[r]!r}]")
+        bad_rows += _bad_rows(c, qr, sr, r0)
         for r, col in zip(*np.nonzero(~c.ok_code & c.ok_row[:, None])):
             bad_codes.append(f"[{r0 + r}, {col}] gate {g[r0 + r, col]!r} up {u[r0 + r, col]!r}: "
                              f"code {qr[r, col]!r}, admissible [{c.code_lo[r, col]!r}, "
@@ -355,10 +352,7 @@ def add_rms_norm_quantization_problem(x, branch, result, *, branch_weight=None, 
         y_lo, y_hi = rms_norm_interval(v, norm_weight, eps, rsqrt_ulps=rsqrt_ulps)
         qr, sr = qv[rows], s[rows]
         c = _quantized_rows_check(y_lo, y_hi, qr, sr)
-        for r in np.flatnonzero(~c.ok_row):
-            bad_rows.append(f"row {r0 + r}: scale {sr[r]!r} (amax {c.amax[r]!r}, max |code| "
-                            f"{np.abs(qr[r]).max()!r}), admissible amax "
-                            f"[{c.amax_lo[r]!r}, {c.amax_hi[r]!r}]")
+        bad_rows += _bad_rows(c, qr, sr, r0)
         what = "x" if branch is None else "h"
         for r, col in zip(*np.nonzero(~c.ok_code & c.ok_row[:, None])):
             bad_codes.append(f"[{r0 + r}, {col}] {what} {v[r, col]!r}: code {qr[r, col]!r}, "
@@ -367,6 +361,14 @@ def add_rms_norm_quantization_problem(x, branch, result, *, branch_weight=None, 
     return _problem_report(((bad_h, xv.size, "elements of h outside their interval"),
                             (bad_rows, s.size, "rows have an inadmissible scale"),
                             (bad_codes, qv.size, "codes outside their interval")), max_listed)
+
+
+def _bad_rows(c: _RowsCheck, qr, sr, r0: int) -> list[str]:
+    """One line per row of a block (starting at row r0) whose scale _quantized_rows_check
+    rejected."""
+    return [f"row {r0 + r}: scale {sr[r]!r} (amax {c.amax[r]!r}, max |code| "
+            f"{np.abs(qr[r]).max()!r}), admissible amax [{c.amax_lo[r]!r}, {c.amax_hi[r]!r}]"
+            for r in np.flatnonzero(~c.ok_row)]
 
 
 def _problem_report(groups, max_listed: int) -> str | None:
