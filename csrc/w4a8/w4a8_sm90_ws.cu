@@ -500,8 +500,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float4* slot = sk_slot(args, c, cw, wtid);
 #pragma unroll
         for (int j = 0; j < 32; ++j) {
-          // At most 8 loads (32 registers) in flight: the masters hold 128 of the 240.
-          if (j % 8 == 0) asm volatile("" ::: "memory");
           const float4 v = __ldcg(slot + 128 * j);
           acc[4 * j] += v.x;
           acc[4 * j + 1] += v.y;
