@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
+import subprocess
+import threading
 import time
 
 import jax
@@ -50,3 +53,43 @@ def write_json(name: str, payload) -> None:
     if out:
         with open(os.path.join(out, f"{name}.json"), "w") as f:
             json.dump(payload, f, indent=1)
+
+
+class GpuSampler:
+    """SM clock (MHz) and board power (W) of the first visible GPU, sampled by `nvidia-smi -lms`
+    in the background for the whole run; `window(t0, t1)` gives their medians between two
+    time.monotonic() readings. FP8 GEMMs run at the power limit, where the clock, not the
+    kernel, moves a number by several percent between runs: reading the clock beside each
+    measurement lets a table compare work per clock. Empty (None) without nvidia-smi."""
+
+    def __init__(self, interval_ms: int = 20):
+        self._samples: list[tuple[float, float, float]] = []
+        self._proc = None
+        if shutil.which("nvidia-smi") is None:
+            return
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+        index = visible if visible.isdigit() else "0"
+        self._proc = subprocess.Popen(
+            ["nvidia-smi", "-i", index, "--query-gpu=clocks.sm,power.draw",
+             "--format=csv,noheader,nounits", f"-lms={interval_ms}"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self._proc.stdout:
+            try:
+                clock, power = (float(v) for v in line.split(","))
+            except ValueError:  # "[N/A]" or a partial line
+                continue
+            self._samples.append((time.monotonic(), clock, power))
+
+    def window(self, t0: float, t1: float) -> tuple[float | None, float | None]:
+        inside = [(c, p) for t, c, p in list(self._samples) if t0 <= t <= t1]
+        if not inside:
+            return None, None
+        return (statistics.median(c for c, _ in inside), statistics.median(p for _, p in inside))
+
+    def close(self):
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()

@@ -6,6 +6,11 @@ Every path gets pre-quantized operands (the activation quantizer is not timed). 
 of trials of `--calls` back-to-back calls after warm-up. Table last; JSON to $OUT/gemm.json.
 
     python benchmarks/gemm.py [--m 16384,1024] [--only qkv,down] [--kernels auto,mma_sync]
+                              [--shapes 8192x8192,8192x15360]
+
+Each number comes with the median SM clock and board power while it was timed (nvidia-smi,
+sampled in the background): at the power limit the clock moves by several percent between
+runs, so a ratio of two columns is only meaningful beside their clocks.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _bench import markdown_table, write_json  # noqa: E402
+from _bench import GpuSampler, markdown_table, write_json  # noqa: E402
 
 from jax_mila import ffi, quant  # noqa: E402
 
@@ -126,15 +131,22 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--anchors", default="xla_bf16,xla_fp8_scaled,torch_scaled_mm",
                         help="baselines to time beside the kernels (comma-separated; '' for none)")
+    parser.add_argument("--shapes", default="",
+                        help="extra NxK shapes (comma-separated, e.g. 8192x15360: how time grows "
+                             "with K at a fixed tile grid)")
     args = parser.parse_args()
+    for spec in (v for v in args.shapes.split(",") if v):
+        n, k = (int(d) for d in spec.lower().split("x"))
+        SHAPES[f"{n}x{k}"] = (n, k)
+    sampler = GpuSampler()
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind}; {ffi.status('w4a8_matmul')}", flush=True)
     kernels = [k for k in args.kernels.split(",") if k]
     anchors = set(a for a in args.anchors.split(",") if a)
-    names = [n for n in args.only.split(",") if n]
+    names = [n for n in args.only.split(",") if n] + [v.lower() for v in args.shapes.split(",") if v]
     header = (["GEMM", "N x K", "M"] + [f"jax_mila w4a8 ({k})" for k in kernels]
               + ["XLA bf16", "XLA FP8 + row/col scales", "torch._scaled_mm FP8 rowwise",
-                 "w4a8 / XLA FP8", "weight bits/value"])
+                 "w4a8 / XLA FP8", "weight bits/value", "SM MHz (w4a8 / XLA FP8 / cuBLASLt)"])
     rows, records = [], []
     for m in (int(v) for v in args.m.split(",")):
         for name in names:
@@ -153,13 +165,17 @@ def main() -> None:
             def measure(key, label, time_fn):
                 # Printed as it lands, so an anchor that hangs still leaves the numbers before it.
                 print(f"  {name} M={m} {label} ...", end="", file=sys.stderr, flush=True)
+                t0 = time.monotonic()
                 try:
                     rec[key] = flops / time_fn() / 1e12
                 except Exception as e:  # noqa: BLE001 - an anchor failing must not stop the table
                     rec[key] = None
                     print(f" failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                     return
-                print(f" {rec[key]:.0f} TFLOP/s", file=sys.stderr, flush=True)
+                rec[f"{key}_mhz"], rec[f"{key}_watts"] = sampler.window(t0, time.monotonic())
+                clock = "" if rec[f"{key}_mhz"] is None else (
+                    f" at {rec[f'{key}_mhz']:.0f} MHz, {rec[f'{key}_watts']:.0f} W")
+                print(f" {rec[key]:.0f} TFLOP/s{clock}", file=sys.stderr, flush=True)
 
             for kern in kernels:
                 fn = jax.jit(lambda a, b, c, kern=kern: ffi.w4a8_matmul(a, b, c, kernel=kern))
@@ -185,10 +201,14 @@ def main() -> None:
             row = ([name, f"{n} x {k}", m] + [fmt(rec[f"w4a8_{kk}"]) for kk in kernels]
                    + [fmt(rec["xla_bf16"]), fmt(rec["xla_fp8_scaled"]), fmt(rec["torch_scaled_mm"]),
                       "-" if ratio is None else f"{ratio:.2f}x",
-                      f"{rec['weight_bits_per_value']:.3f}"])
+                      f"{rec['weight_bits_per_value']:.3f}",
+                      " / ".join(fmt(rec.get(f"{kk}_mhz")) for kk in
+                                 ([f"w4a8_{kernels[0]}"] if kernels else []) +
+                                 ["xla_fp8_scaled", "torch_scaled_mm"])])
             rows.append(row)
             print(" | ".join(str(c) for c in row), flush=True)
             del x, w, xq, xs, wq, w8, ws, wt16
+    sampler.close()
     write_json("gemm", {"device": dev.device_kind, "rows": records,
                         "anchors_xla_fp8_scaled_m16384": XLA_FP8_SCALED_ANCHOR})
     print()
