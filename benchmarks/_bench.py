@@ -69,8 +69,12 @@ class GpuSampler:
             return
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
         index = visible if visible.isdigit() else "0"
+        # power.draw is a one-second average on recent drivers; .instant is the reading.
+        power = ("power.draw.instant" if subprocess.run(
+            ["nvidia-smi", "-i", index, "--query-gpu=power.draw.instant", "--format=csv"],
+            capture_output=True, timeout=30).returncode == 0 else "power.draw")
         self._proc = subprocess.Popen(
-            ["nvidia-smi", "-i", index, "--query-gpu=clocks.sm,power.draw",
+            ["nvidia-smi", "-i", index, f"--query-gpu=clocks.sm,{power}",
              "--format=csv,noheader,nounits", f"-lms={interval_ms}"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         threading.Thread(target=self._read, daemon=True).start()

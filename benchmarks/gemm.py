@@ -56,9 +56,12 @@ XLA_FP8_SCALED_ANCHOR = {"qkv": 697, "q+k_global": 740}
 XLA_FP8_HANGS_N = {30720}
 
 
-def _time_jax(fn, args, calls, trials=7, warmup=2):
+# The timing functions append (start, end) of their timed trials (time.monotonic) to `window`,
+# so that the clock beside a number is read while it ran, not while it compiled.
+def _time_jax(fn, args, calls, window, trials=7, warmup=2):
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
+    window.append(time.monotonic())
     times = []
     for _ in range(trials):
         t0 = time.perf_counter()
@@ -66,15 +69,17 @@ def _time_jax(fn, args, calls, trials=7, warmup=2):
             out = fn(*args)
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / calls)
+    window.append(time.monotonic())
     return statistics.median(times)
 
 
-def _time_torch(fn, calls, trials=7, warmup=2):
+def _time_torch(fn, calls, window, trials=7, warmup=2):
     import torch
 
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    window.append(time.monotonic())
     times = []
     for _ in range(trials):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -84,6 +89,7 @@ def _time_torch(fn, calls, trials=7, warmup=2):
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / calls)
+    window.append(time.monotonic())
     return statistics.median(times)
 
 
@@ -165,14 +171,14 @@ def main() -> None:
             def measure(key, label, time_fn):
                 # Printed as it lands, so an anchor that hangs still leaves the numbers before it.
                 print(f"  {name} M={m} {label} ...", end="", file=sys.stderr, flush=True)
-                t0 = time.monotonic()
+                window = []
                 try:
-                    rec[key] = flops / time_fn() / 1e12
+                    rec[key] = flops / time_fn(window) / 1e12
                 except Exception as e:  # noqa: BLE001 - an anchor failing must not stop the table
                     rec[key] = None
                     print(f" failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                     return
-                rec[f"{key}_mhz"], rec[f"{key}_watts"] = sampler.window(t0, time.monotonic())
+                rec[f"{key}_mhz"], rec[f"{key}_watts"] = sampler.window(*window)
                 clock = "" if rec[f"{key}_mhz"] is None else (
                     f" at {rec[f'{key}_mhz']:.0f} MHz, {rec[f'{key}_watts']:.0f} W")
                 print(f" {rec[key]:.0f} TFLOP/s{clock}", file=sys.stderr, flush=True)
@@ -180,20 +186,21 @@ def main() -> None:
             for kern in kernels:
                 fn = jax.jit(lambda a, b, c, kern=kern: ffi.w4a8_matmul(a, b, c, kernel=kern))
                 measure(f"w4a8_{kern}", f"w4a8 {kern}",
-                        lambda fn=fn: _time_jax(fn, (xq, xs, wq), args.calls))
+                        lambda w, fn=fn: _time_jax(fn, (xq, xs, wq), args.calls, w))
             rec.update(xla_bf16=None, xla_fp8_scaled=None, torch_scaled_mm=None)
             if "xla_bf16" in anchors:
                 measure("xla_bf16", "XLA bf16",
-                        lambda: _time_jax(_xla_bf16, (x, wt16), args.calls))
+                        lambda w: _time_jax(_xla_bf16, (x, wt16), args.calls, w))
             if "xla_fp8_scaled" in anchors and n in XLA_FP8_HANGS_N:
                 print(f"  {name} M={m} XLA FP8 + scales: skipped (hangs at N={n})",
                       file=sys.stderr, flush=True)
             elif "xla_fp8_scaled" in anchors:
                 measure("xla_fp8_scaled", "XLA FP8 + scales",
-                        lambda: _time_jax(_xla_fp8_scaled, (xq, xs, w8, ws), args.calls))
+                        lambda w: _time_jax(_xla_fp8_scaled, (xq, xs, w8, ws), args.calls, w))
             tfn = _torch_scaled_mm(xq, xs, w8, ws) if "torch_scaled_mm" in anchors else None
             if tfn is not None:
-                measure("torch_scaled_mm", "torch._scaled_mm", lambda: _time_torch(tfn, args.calls))
+                measure("torch_scaled_mm", "torch._scaled_mm",
+                        lambda w: _time_torch(tfn, args.calls, w))
             records.append(rec)
             fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731  (None: failed)
             ratio = (rec[f"w4a8_{kernels[0]}"] / rec["xla_fp8_scaled"]

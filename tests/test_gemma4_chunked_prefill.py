@@ -494,7 +494,8 @@ class TreeModeEntryPointsTest(parameterized.TestCase):
 
 
 class RingUpdateTest(absltest.TestCase):
-    """cache.chunk_update on a ring, against a per-position model of what the ring must hold."""
+    """cache.chunk_update on a ring (and on a full buffer), against a per-position model of
+    what the buffer must hold."""
 
     def test_ring_keeps_the_last_positions_in_their_slots(self):
         seed = int(np.random.SeedSequence().entropy % (2**31))
@@ -513,6 +514,27 @@ class RingUpdateTest(absltest.TestCase):
                     np.testing.assert_array_equal(
                         np.asarray(got), want,
                         err_msg=f"ring {size}, chunk {t}, pos {pos}, valid {valid}, seed={seed}")
+
+
+    def test_full_buffer_takes_the_real_tokens_only(self):
+        # The writes go through cache.set_rows, which promises XLA distinct slots (the dropped
+        # padding ones included); on a GPU that makes them plain stores.
+        seed = int(np.random.SeedSequence().entropy % (2**31))
+        rng = np.random.default_rng(seed)
+        update = jax.jit(lambda buf, k, pos, valid: kv.chunk_update(buf, buf, k, k, pos, valid,
+                                                                    ring=False))
+        size = 11
+        for t in (1, 4, 7):
+            for pos in (0, 3, size - t):
+                for valid in sorted({1, (t + 1) // 2, t}):
+                    buf = rng.standard_normal((1, size, 2, 3)).astype(np.float32)
+                    k = rng.standard_normal((1, t, 2, 3)).astype(np.float32)
+                    want = buf.copy()
+                    want[:, pos:pos + valid] = k[:, :valid]
+                    got = update(buf, k, jnp.int32(pos), jnp.int32(valid))[0]
+                    np.testing.assert_array_equal(
+                        np.asarray(got), want,
+                        err_msg=f"buffer {size}, chunk {t}, pos {pos}, valid {valid}, seed={seed}")
 
 
 class ChunkedCliTest(absltest.TestCase):

@@ -107,6 +107,16 @@ def _prefill_buffer(x: jax.Array, ring: int | None, max_len: int) -> jax.Array:
     return jnp.roll(x[:, s - ring:], (s - ring) % ring, axis=1)
 
 
+def set_rows(buf: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
+    """buf [B, S, H, D] with rows [B, n, H, D] written at slots [n] along S; slots >= S are
+    dropped. The caller promises that the slots are distinct, the dropped ones included (make
+    them S + i, not S): with that promise XLA:GPU writes the rows with plain stores. Without it
+    a scatter must allow for two writes to one slot and emits atomic exchanges, which for 16-bit
+    elements are compare-and-swap loops on 32-bit words: the rings' writes of a 12B 32K prefill
+    took 11.7 ms that way, ~430 GB/s (docs/performance.md)."""
+    return buf.at[:, slots].set(rows, mode="drop", unique_indices=True)
+
+
 def decode_update(k_buf, v_buf, k, v, pos, *, ring: bool):
     """Writes one step's k, v [B, 1, H, D] at position ``pos`` (traced int32) and returns
     (k_buf, v_buf, k_view, v_view, kv_offset) for attention over the cache."""
@@ -157,9 +167,8 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool):
     k, v = k.astype(k_buf.dtype), v.astype(v_buf.dtype)
     i = jnp.arange(t, dtype=jnp.int32)
     if not ring:
-        slots = jnp.where(i < valid, pos + i, size)  # size: out of range, dropped
-        k_buf = k_buf.at[:, slots].set(k, mode="drop")
-        v_buf = v_buf.at[:, slots].set(v, mode="drop")
+        slots = jnp.where(i < valid, pos + i, size + i)  # >= size: dropped (all distinct)
+        k_buf, v_buf = set_rows(k_buf, slots, k), set_rows(v_buf, slots, v)
         return k_buf, v_buf, k_buf, v_buf, jnp.int32(0)
     n = jnp.minimum(pos, size)
     row = jnp.arange(size + t, dtype=jnp.int32)  # view row j holds position pos - n + j
@@ -182,13 +191,15 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool):
     # Only the last min(valid, R) real tokens reach the ring, so the scatter takes m = min(T, R)
     # rows (chunk tokens valid-m .. valid-1; those before token 0 are dropped), not T (12B,
     # chunk 4096, R 1024: 16.4 ms of a 32K prefill over 4096 rows, 12.1 ms over 1024;
-    # docs/performance.md). The slots are distinct (m <= R consecutive positions).
+    # docs/performance.md). The slots are distinct (m <= R consecutive positions; the dropped
+    # ones R + j).
     m = min(t, size)
-    src = valid - m + jnp.arange(m, dtype=jnp.int32)  # chunk token of update row j
-    slots = jnp.where(src >= 0, (pos + src) % size, size)
+    j = jnp.arange(m, dtype=jnp.int32)
+    src = valid - m + j  # chunk token of update row j
+    slots = jnp.where(src >= 0, (pos + src) % size, size + j)
     rows = n + jnp.maximum(src, 0)  # where chunk token src sits in the view
-    k_buf = k_buf.at[:, slots].set(jnp.take(k_view, rows, axis=1), mode="drop")
-    v_buf = v_buf.at[:, slots].set(jnp.take(v_view, rows, axis=1), mode="drop")
+    k_buf = set_rows(k_buf, slots, jnp.take(k_view, rows, axis=1))
+    v_buf = set_rows(v_buf, slots, jnp.take(v_view, rows, axis=1))
     # Attention reads the views only once the ring is written: the writes feed nothing but the
     # step's outputs, so XLA:GPU's scheduler put every layer's at the end of the step, each
     # holding its chunk K/V until then (12B, two-device step: 40 layers' gathered K and V,

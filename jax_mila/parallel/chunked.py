@@ -167,13 +167,14 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool):
     c = k.shape[1]
     p = pos + jnp.arange(c, dtype=jnp.int32)
     seg, within = p // length, p % length
-    slot = jnp.full((c,), local_len, jnp.int32)  # out of range: dropped
+    # Out of range, hence dropped: local_len + i (distinct, as kv.set_rows requires).
+    dropped = local_len + jnp.arange(c, dtype=jnp.int32)
+    slot = dropped
     for j, s in enumerate(owned_segments(jax.lax.axis_index(state.axis), devices,
                                          state.segments)):
         slot = jnp.where(seg == s, j * length + within, slot)
-    slot = jnp.where(jnp.arange(c) < valid, slot, local_len)  # padding is never written
-    k_buf = k_buf.at[:, slot].set(k, mode="drop")
-    v_buf = v_buf.at[:, slot].set(v, mode="drop")
+    slot = jnp.where(jnp.arange(c) < valid, slot, dropped)  # padding is never written
+    k_buf, v_buf = kv.set_rows(k_buf, slot, k), kv.set_rows(v_buf, slot, v)
     return k_buf, v_buf, k_buf, v_buf, jnp.int32(0)
 
 
@@ -191,6 +192,8 @@ def _ring_halo_update(k_buf, v_buf, k, v, pos, valid, axis):
     keys before the slice (device 0: the old ring in position order) then the slice, rolled
     left by R - n (n real keys before the slice: min(pos, R) on device 0, R elsewhere) so the
     unwritten ring slots sit after every query; the ring is written in place."""
+    from jax_mila.gemma4 import cache as kv  # noqa: PLC0415 - gemma4 imports this package
+
     i = jax.lax.axis_index(axis)
     t, size = k.shape[1], k_buf.shape[1]
 
@@ -225,9 +228,10 @@ def _ring_halo_update(k_buf, v_buf, k, v, pos, valid, axis):
     c = valid - size + jnp.arange(size, dtype=jnp.int32)
     d = jnp.maximum(c, 0) // t
     src = d * size + c - d * t - (tail_end(d) - size)
-    slots = jnp.where(c >= 0, (pos + c) % size, size)  # size: out of range, dropped
-    k_buf = k_buf.at[:, slots].set(jnp.take(k_tails, src, axis=1, mode="clip"), mode="drop")
-    v_buf = v_buf.at[:, slots].set(jnp.take(v_tails, src, axis=1, mode="clip"), mode="drop")
+    # >= size: out of range, dropped (distinct, as kv.set_rows requires).
+    slots = jnp.where(c >= 0, (pos + c) % size, size + jnp.arange(size, dtype=jnp.int32))
+    k_buf = kv.set_rows(k_buf, slots, jnp.take(k_tails, src, axis=1, mode="clip"))
+    v_buf = kv.set_rows(v_buf, slots, jnp.take(v_tails, src, axis=1, mode="clip"))
     # Attention reads the views only once the ring is written (cache.chunk_update says why).
     # A barrier's outputs vary over the axis if any input does, so the replicated ring goes in
     # as a varying copy of itself, only to order the two.
