@@ -57,10 +57,11 @@ def write_json(name: str, payload) -> None:
 
 class GpuSampler:
     """SM clock (MHz) and board power (W) of the first visible GPU, sampled by `nvidia-smi -lms`
-    in the background for the whole run; `window(t0, t1)` gives their medians between two
-    time.monotonic() readings. FP8 GEMMs run at the power limit, where the clock, not the
-    kernel, moves a number by several percent between runs: reading the clock beside each
-    measurement lets a table compare work per clock. Empty (None) without nvidia-smi."""
+    in the background for the whole run, against time.monotonic(); `window(intervals)` gives
+    their medians over one or more (t0, t1) intervals (a path's timed trials). FP8 GEMMs run at
+    the power limit, where the clock, not the kernel, moves a number by several percent between
+    runs: reading the clock beside each measurement lets a table compare work per clock. Empty
+    (None) without nvidia-smi."""
 
     def __init__(self, interval_ms: int = 20):
         self._samples: list[tuple[float, float, float]] = []
@@ -87,8 +88,11 @@ class GpuSampler:
                 continue
             self._samples.append((time.monotonic(), clock, power))
 
-    def window(self, t0: float, t1: float) -> tuple[float | None, float | None]:
-        inside = [(c, p) for t, c, p in list(self._samples) if t0 <= t <= t1]
+    def window(self, intervals) -> tuple[float | None, float | None]:
+        """Medians of the samples taken inside any of the (t0, t1) intervals; None, None if
+        there are none."""
+        inside = [(c, p) for t, c, p in list(self._samples)
+                  if any(t0 <= t <= t1 for t0, t1 in intervals)]
         if not inside:
             return None, None
         return (statistics.median(c for c, _ in inside), statistics.median(p for _, p in inside))

@@ -6,7 +6,7 @@ Every path gets pre-quantized operands (the activation quantizer is not timed). 
 of trials of `--calls` back-to-back calls after warm-up. Table last; JSON to $OUT/gemm.json.
 
     python benchmarks/gemm.py [--m 16384,1024] [--only qkv,down] [--kernels auto,mma_sync]
-                              [--shapes 8192x8192,8192x15360]
+                              [--shapes 8192x8192,8192x15360] [--interleave]
 
 Each number comes with the median SM clock and board power while it was timed (nvidia-smi,
 sampled in the background): at the power limit the clock moves by several percent between
@@ -54,43 +54,86 @@ XLA_FP8_SCALED_ANCHOR = {"qkv": 697, "q+k_global": 740}
 # XLA's FP8 dot (jax 0.11.2, H200) never returned for these N at M=16384 (three runs, each cut
 # by a 200-300 s timeout): not timed, so the rest of the table still comes out.
 XLA_FP8_HANGS_N = {30720}
+TRIALS = 7  # timed trials per path; the median is reported
 
 
-# The timing functions append (start, end) of their timed trials (time.monotonic) to `window`,
-# so that the clock beside a number is read while it ran, not while it compiled.
-def _time_jax(fn, args, calls, window, trials=7, warmup=2):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    window.append(time.monotonic())
-    times = []
-    for _ in range(trials):
+class _JaxTimer:
+    """A trial: `calls` back-to-back calls of a jitted function, synchronised once; seconds per
+    call."""
+
+    def __init__(self, fn, args, calls):
+        self.fn, self.args, self.calls = fn, args, calls
+
+    def warmup(self, n=2):
+        for _ in range(n):
+            jax.block_until_ready(self.fn(*self.args))
+
+    def trial(self) -> float:
         t0 = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
+        for _ in range(self.calls):
+            out = self.fn(*self.args)
         jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / calls)
-    window.append(time.monotonic())
-    return statistics.median(times)
+        return (time.perf_counter() - t0) / self.calls
 
 
-def _time_torch(fn, calls, window, trials=7, warmup=2):
-    import torch
+class _TorchTimer:
+    """The same for a torch callable, timed with CUDA events."""
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    window.append(time.monotonic())
-    times = []
-    for _ in range(trials):
+    def __init__(self, fn, calls):
+        self.fn, self.calls = fn, calls
+
+    def warmup(self, n=2):
+        import torch
+
+        for _ in range(n):
+            self.fn()
+        torch.cuda.synchronize()
+
+    def trial(self) -> float:
+        import torch
+
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(calls):
-            fn()
+        for _ in range(self.calls):
+            self.fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    window.append(time.monotonic())
-    return statistics.median(times)
+        return start.elapsed_time(end) / 1e3 / self.calls
+
+
+def _time_all(timers, trials, interleave):
+    """{key: (median seconds per call, [(start, end) of its trials])} for {key: timer}, or an
+    exception in place of the pair for a timer that failed. One after another (each warmed up,
+    then its trials), or with `interleave` every timer warmed up first and then one trial of
+    each in turn: at the board's power limit the clock drifts with its temperature over a run
+    (docs/performance.md, fifteenth round), and taking turns exposes every path to the same
+    drift instead of giving the first a cooler or a hotter board."""
+    times = {key: [] for key in timers}
+    windows = {key: [] for key in timers}
+    failed = {}
+
+    def one_trial(key):
+        t0 = time.monotonic()
+        times[key].append(timers[key].trial())
+        windows[key].append((t0, time.monotonic()))
+
+    order = list(timers)
+    for key in order:
+        try:
+            timers[key].warmup()
+            if not interleave:
+                for _ in range(trials):
+                    one_trial(key)
+        except Exception as e:  # noqa: BLE001 - an anchor failing must not stop the table
+            failed[key] = e
+    for _ in range(trials if interleave else 0):
+        for key in (k for k in order if k not in failed):
+            try:
+                one_trial(key)
+            except Exception as e:  # noqa: BLE001
+                failed[key] = e
+    return {key: failed[key] if key in failed else (statistics.median(times[key]), windows[key])
+            for key in order}
 
 
 def _torch_scaled_mm(xq, xs, w8, ws):
@@ -137,19 +180,22 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--anchors", default="xla_bf16,xla_fp8_scaled,torch_scaled_mm",
                         help="baselines to time beside the kernels (comma-separated; '' for none)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="warm every path up, then time one trial of each in turn (the "
+                             "board's drift at its power limit then hits all paths alike)")
     parser.add_argument("--shapes", default="",
                         help="extra NxK shapes (comma-separated, e.g. 8192x15360: how time grows "
                              "with K at a fixed tile grid)")
     args = parser.parse_args()
-    for spec in (v for v in args.shapes.split(",") if v):
-        n, k = (int(d) for d in spec.lower().split("x"))
-        SHAPES[f"{n}x{k}"] = (n, k)
+    extra = [v.lower() for v in args.shapes.split(",") if v]
+    for spec in extra:
+        SHAPES[spec] = tuple(int(d) for d in spec.split("x"))
     sampler = GpuSampler()
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind}; {ffi.status('w4a8_matmul')}", flush=True)
     kernels = [k for k in args.kernels.split(",") if k]
     anchors = set(a for a in args.anchors.split(",") if a)
-    names = [n for n in args.only.split(",") if n] + [v.lower() for v in args.shapes.split(",") if v]
+    names = [n for n in args.only.split(",") if n] + extra
     header = (["GEMM", "N x K", "M"] + [f"jax_mila w4a8 ({k})" for k in kernels]
               + ["XLA bf16", "XLA FP8 + row/col scales", "torch._scaled_mm FP8 rowwise",
                  "w4a8 / XLA FP8", "weight bits/value", "SM MHz (w4a8 / XLA FP8 / cuBLASLt)"])
@@ -168,39 +214,42 @@ def main() -> None:
             rec = {"gemm": name, "N": n, "K": k, "M": m,
                    "weight_bits_per_value": 8 * wq.nbytes / (n * k)}
 
-            def measure(key, label, time_fn):
-                # Printed as it lands, so an anchor that hangs still leaves the numbers before it.
-                print(f"  {name} M={m} {label} ...", end="", file=sys.stderr, flush=True)
-                window = []
-                try:
-                    rec[key] = flops / time_fn(window) / 1e12
-                except Exception as e:  # noqa: BLE001 - an anchor failing must not stop the table
-                    rec[key] = None
-                    print(f" failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-                    return
-                rec[f"{key}_mhz"], rec[f"{key}_watts"] = sampler.window(*window)
-                clock = "" if rec[f"{key}_mhz"] is None else (
-                    f" at {rec[f'{key}_mhz']:.0f} MHz, {rec[f'{key}_watts']:.0f} W")
-                print(f" {rec[key]:.0f} TFLOP/s{clock}", file=sys.stderr, flush=True)
-
+            timers, labels = {}, {}
             for kern in kernels:
                 fn = jax.jit(lambda a, b, c, kern=kern: ffi.w4a8_matmul(a, b, c, kernel=kern))
-                measure(f"w4a8_{kern}", f"w4a8 {kern}",
-                        lambda w, fn=fn: _time_jax(fn, (xq, xs, wq), args.calls, w))
-            rec.update(xla_bf16=None, xla_fp8_scaled=None, torch_scaled_mm=None)
+                timers[f"w4a8_{kern}"] = _JaxTimer(fn, (xq, xs, wq), args.calls)
+                labels[f"w4a8_{kern}"] = f"w4a8 {kern}"
             if "xla_bf16" in anchors:
-                measure("xla_bf16", "XLA bf16",
-                        lambda w: _time_jax(_xla_bf16, (x, wt16), args.calls, w))
+                timers["xla_bf16"] = _JaxTimer(_xla_bf16, (x, wt16), args.calls)
+                labels["xla_bf16"] = "XLA bf16"
             if "xla_fp8_scaled" in anchors and n in XLA_FP8_HANGS_N:
                 print(f"  {name} M={m} XLA FP8 + scales: skipped (hangs at N={n})",
                       file=sys.stderr, flush=True)
             elif "xla_fp8_scaled" in anchors:
-                measure("xla_fp8_scaled", "XLA FP8 + scales",
-                        lambda w: _time_jax(_xla_fp8_scaled, (xq, xs, w8, ws), args.calls, w))
+                timers["xla_fp8_scaled"] = _JaxTimer(_xla_fp8_scaled, (xq, xs, w8, ws), args.calls)
+                labels["xla_fp8_scaled"] = "XLA FP8 + scales"
             tfn = _torch_scaled_mm(xq, xs, w8, ws) if "torch_scaled_mm" in anchors else None
             if tfn is not None:
-                measure("torch_scaled_mm", "torch._scaled_mm",
-                        lambda w: _time_torch(tfn, args.calls, w))
+                timers["torch_scaled_mm"] = _TorchTimer(tfn, args.calls)
+                labels["torch_scaled_mm"] = "torch._scaled_mm"
+            rec.update(xla_bf16=None, xla_fp8_scaled=None, torch_scaled_mm=None)
+            # Sequentially, each path is timed and printed as it lands, so an anchor that hangs
+            # still leaves the numbers before it; interleaved, all are printed at the end.
+            groups = [timers] if args.interleave else [{key: t} for key, t in timers.items()]
+            for group in groups:
+                for key, result in _time_all(group, TRIALS, args.interleave).items():
+                    print(f"  {name} M={m} {labels[key]}:", end="", file=sys.stderr)
+                    if isinstance(result, Exception):
+                        rec[key] = None
+                        print(f" failed: {type(result).__name__}: {result}", file=sys.stderr,
+                              flush=True)
+                        continue
+                    seconds, windows = result
+                    rec[key] = flops / seconds / 1e12
+                    rec[f"{key}_mhz"], rec[f"{key}_watts"] = sampler.window(windows)
+                    clock = "" if rec[f"{key}_mhz"] is None else (
+                        f" at {rec[f'{key}_mhz']:.0f} MHz, {rec[f'{key}_watts']:.0f} W")
+                    print(f" {rec[key]:.0f} TFLOP/s{clock}", file=sys.stderr, flush=True)
             records.append(rec)
             fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731  (None: failed)
             ratio = (rec[f"w4a8_{kernels[0]}"] / rec["xla_fp8_scaled"]
