@@ -109,7 +109,10 @@ class TrialScheduleTest(absltest.TestCase):
         super().setUp()
         sys.path.insert(0, _BENCHMARKS)  # gemm.py imports _bench from beside it
         self.addCleanup(sys.path.remove, _BENCHMARKS)
-        self.gemm = _load("gemm")
+        # Its import sets XLA_PYTHON_CLIENT_MEM_FRACTION for the benchmark's own process; it
+        # must not reach the tests that run after this one.
+        with mock.patch.dict(os.environ):
+            self.gemm = _load("gemm")
 
     def test_sequential_then_interleaved_order(self):
         for interleave, want in (
