@@ -237,6 +237,9 @@ def main() -> None:
             # still leaves the numbers before it; interleaved, all are printed at the end.
             groups = [timers] if args.interleave else [{key: t} for key, t in timers.items()]
             for group in groups:
+                # The labels go out before the timing, so a path that hangs is named in the log.
+                print(f"  {name} M={m} {' / '.join(labels[key] for key in group)} ...",
+                      file=sys.stderr, flush=True)
                 for key, result in _time_all(group, TRIALS, args.interleave).items():
                     print(f"  {name} M={m} {labels[key]}:", end="", file=sys.stderr)
                     if isinstance(result, Exception):
