@@ -1,16 +1,19 @@
 """W4A8 GEMM throughput (TFLOP/s = 2*M*N*K / time) on Gemma 4 12B's linear-layer shapes, side
 by side in one run with XLA's bf16 jnp.dot, XLA's FP8 dot with the same row/column scaling done
-in XLA, and torch._scaled_mm (cuBLASLt FP8, row-wise scales) when torch is importable.
+in XLA (at jnp's default precision, and with float32 accumulation asked for), and
+torch._scaled_mm (cuBLASLt FP8, row-wise scales) when torch is importable.
 
 Every path gets pre-quantized operands (the activation quantizer is not timed). Times are medians
-of trials of `--calls` back-to-back calls after warm-up. Table last; JSON to $OUT/gemm.json.
+of trials of `--calls` back-to-back calls after warm-up. Tables last; JSON to $OUT/gemm.json.
 
     python benchmarks/gemm.py [--m 16384,1024] [--only qkv,down] [--kernels auto,mma_sync]
                               [--shapes 8192x8192,8192x15360] [--interleave]
 
-Each number comes with the median SM clock and board power while it was timed (nvidia-smi,
-sampled in the background): at the power limit the clock moves by several percent between
-runs, so a ratio of two columns is only meaningful beside their clocks.
+The second table gives, per path: the median SM clock while it was timed (nvidia-smi, sampled
+in the background), its mean power and energy per FLOP (NVML's energy counter read around
+every trial; FP8 GEMMs run at the board's power limit, where energy per FLOP decides speed),
+and its accumulation error (float32 output against a float32 product of the same operands:
+XLA's default FP8 path accumulates in a reduced-precision mode, the W4A8 kernel promotes).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")  # leave room for torch
 
@@ -28,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _bench import GpuSampler, markdown_table, write_json  # noqa: E402
+from _bench import EnergyMeter, GpuSampler, markdown_table, write_json  # noqa: E402
 
 from jax_mila import ffi, quant  # noqa: E402
 
@@ -49,7 +53,8 @@ SHAPES = {
     "q_global": (8192, 3840),
     "k_global": (512, 3840),
 }
-# Measured anchors at M=16384 (specs/anchors.md), for the table.
+# anchors.md's XLA FP8 + scales at M=16384 (an older XLA; recorded in the JSON for reference:
+# the tables compare with the XLA of the same run).
 XLA_FP8_SCALED_ANCHOR = {"qkv": 697, "q+k_global": 740}
 # XLA's FP8 dot (jax 0.11.2, H200) never returned for these N at M=16384 (three runs, each cut
 # by a 200-300 s timeout): not timed, so the rest of the table still comes out.
@@ -101,21 +106,32 @@ class _TorchTimer:
         return start.elapsed_time(end) / 1e3 / self.calls
 
 
-def _time_all(timers, trials, interleave):
-    """{key: (median seconds per call, [(start, end) of its trials])} for {key: timer}, or an
-    exception in place of the pair for a timer that failed. One after another (each warmed up,
-    then its trials), or with `interleave` every timer warmed up first and then one trial of
-    each in turn: at the board's power limit the clock drifts with its temperature over a run
-    (docs/performance.md, fifteenth round), and taking turns exposes every path to the same
-    drift instead of giving the first a cooler or a hotter board."""
+class Timing(NamedTuple):
+    seconds: float             # median per call
+    windows: list              # (start, end) of each trial, time.monotonic()
+    energy_mj: float | None    # board energy over all trials (NVML), None without the counter
+
+
+def _time_all(timers, trials, interleave, meter=None):
+    """{key: Timing} for {key: timer}, or an exception in place of the Timing for a timer that
+    failed. One after another (each warmed up, then its trials), or with `interleave` every
+    timer warmed up first and then one trial of each in turn: at the board's power limit the
+    clock drifts with its temperature over a run (docs/performance.md, fifteenth round), and
+    taking turns exposes every path to the same drift instead of giving the first a cooler or a
+    hotter board. `meter` (an EnergyMeter) is read around every trial."""
     times = {key: [] for key in timers}
     windows = {key: [] for key in timers}
+    energy = {key: 0.0 for key in timers}
     failed = {}
 
     def one_trial(key):
+        e0 = meter.read_mj() if meter else None
         t0 = time.monotonic()
         times[key].append(timers[key].trial())
         windows[key].append((t0, time.monotonic()))
+        e1 = meter.read_mj() if meter else None
+        energy[key] = None if e0 is None or e1 is None or energy[key] is None else (
+            energy[key] + e1 - e0)
 
     order = list(timers)
     for key in order:
@@ -132,11 +148,11 @@ def _time_all(timers, trials, interleave):
                 one_trial(key)
             except Exception as e:  # noqa: BLE001
                 failed[key] = e
-    return {key: failed[key] if key in failed else (statistics.median(times[key]), windows[key])
-            for key in order}
+    return {key: failed[key] if key in failed else
+            Timing(statistics.median(times[key]), windows[key], energy[key]) for key in order}
 
 
-def _torch_scaled_mm(xq, xs, w8, ws):
+def _torch_scaled_mm(xq, xs, w8, ws, out_dtype="bfloat16"):
     """torch._scaled_mm with row-wise scales on the same FP8 operands, or None."""
     try:
         import torch
@@ -151,7 +167,45 @@ def _torch_scaled_mm(xq, xs, w8, ws):
     b = fp8(w8).t()                              # [K, N] column-major
     sa = torch.from_dlpack(xs).reshape(-1, 1).contiguous()
     sb = torch.from_dlpack(ws).reshape(1, -1).contiguous()
-    return lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    dtype = getattr(torch, out_dtype)
+    return lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=dtype)
+
+
+ACCURACY_ROWS = 256
+
+
+def _relative_error(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def _accumulation_errors(keys, xq, xs, wq, w8, ws):
+    """{path: relative Frobenius error of its first ACCURACY_ROWS output rows, float32 output,
+    against the float32 product of its own operands} (None where a path cannot write float32).
+    The operands are exact in both products, so what is left is how the path accumulates (and
+    applies the scales): the W4A8 kernel's promoted FP8 sums against XLA's and cuBLASLt's."""
+    rows = slice(0, ACCURACY_ROWS)
+    hi = jax.lax.Precision.HIGHEST
+    x32 = xq[rows].astype(jnp.float32) * xs[rows, None]
+    ref_w4 = jnp.dot(x32, quant.dequantize_mxfp4(wq).T, precision=hi)
+    ref_w8 = jnp.dot(x32, w8.astype(jnp.float32).T, precision=hi) * ws[None, :]
+    errors = {}
+    for key in keys:
+        try:
+            if key.startswith("w4a8_"):
+                out = ffi.w4a8_matmul(xq, xs, wq, kernel=key[len("w4a8_"):],
+                                      out_dtype=jnp.float32)
+                errors[key] = _relative_error(out[rows], ref_w4)
+            elif key in XLA_FP8_PRECISION:
+                out = _xla_fp8_scaled(XLA_FP8_PRECISION[key], jnp.float32)(xq, xs, w8, ws)
+                errors[key] = _relative_error(out[rows], ref_w8)
+            elif key == "torch_scaled_mm":
+                out = _torch_scaled_mm(xq, xs, w8, ws, out_dtype="float32")()
+                errors[key] = _relative_error(out[rows].cpu().numpy(), ref_w8)
+        except Exception as e:  # noqa: BLE001 - e.g. no float32 output for row-wise scales
+            print(f"  accuracy of {key}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+            errors[key] = None
+    return errors
 
 
 def _fp8_rows(w):
@@ -161,15 +215,37 @@ def _fp8_rows(w):
     return (w / scale[:, None]).astype(jnp.float8_e4m3fn), scale.astype(jnp.float32)
 
 
-@jax.jit
-def _xla_fp8_scaled(xq, xs, w8, ws):
-    acc = jax.lax.dot_general(xq, w8, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return (acc * xs[:, None] * ws[None, :]).astype(jnp.bfloat16)
+def _xla_fp8_scaled(precision=None, out_dtype=jnp.bfloat16):
+    """XLA's FP8 dot with the row and column scales applied in XLA, jitted. precision None is
+    jnp's default, under which XLA:GPU lets cuBLASLt accumulate FP8 products in its fast,
+    reduced-precision mode (stream_executor's cuda_blas_lt: FP8 operands and DEFAULT precision);
+    DotAlgorithmPreset.ANY_F8_ANY_F8_F32 asks for float32 accumulation, the class of the W4A8
+    kernel's promoted sums and of torch._scaled_mm's default."""
+
+    @jax.jit
+    def fn(xq, xs, w8, ws):
+        acc = jax.lax.dot_general(xq, w8, (((1,), (1,)), ((), ())), precision=precision,
+                                  preferred_element_type=jnp.float32)
+        return (acc * xs[:, None] * ws[None, :]).astype(out_dtype)
+
+    return fn
+
+
+XLA_FP8_PRECISION = {"xla_fp8_scaled": None,
+                     "xla_fp8_f32acc": jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32}
 
 
 @jax.jit
 def _xla_bf16(x, wt):
     return jnp.dot(x, wt)
+
+
+ANCHOR_LABELS = {
+    "xla_bf16": "XLA bf16",
+    "xla_fp8_scaled": "XLA FP8 + scales",
+    "xla_fp8_f32acc": "XLA FP8 + scales, f32 acc",
+    "torch_scaled_mm": "torch._scaled_mm",
+}
 
 
 def main() -> None:
@@ -178,28 +254,44 @@ def main() -> None:
     parser.add_argument("--only", default=",".join(SHAPES))
     parser.add_argument("--kernels", default="auto,mma_sync")
     parser.add_argument("--calls", type=int, default=10)
-    parser.add_argument("--anchors", default="xla_bf16,xla_fp8_scaled,torch_scaled_mm",
-                        help="baselines to time beside the kernels (comma-separated; '' for none)")
+    parser.add_argument("--anchors", default="xla_bf16,xla_fp8_scaled,xla_fp8_f32acc,torch_scaled_mm",
+                        help="baselines to time beside the kernels (comma-separated; '' for none): "
+                             + ", ".join(ANCHOR_LABELS))
     parser.add_argument("--interleave", action="store_true",
                         help="warm every path up, then time one trial of each in turn (the "
                              "board's drift at its power limit then hits all paths alike)")
     parser.add_argument("--shapes", default="",
                         help="extra NxK shapes (comma-separated, e.g. 8192x15360: how time grows "
                              "with K at a fixed tile grid)")
+    parser.add_argument("--time-hanging", action="store_true",
+                        help=f"time XLA's FP8 paths also at N in {sorted(XLA_FP8_HANGS_N)}, where "
+                             "they were seen not to return (run such an entry under a timeout)")
+    parser.add_argument("--no-accuracy", dest="accuracy", action="store_false",
+                        help="skip each path's accumulation error (float32 output, first "
+                             f"{ACCURACY_ROWS} rows, against a float32 product)")
     args = parser.parse_args()
     extra = [v.lower() for v in args.shapes.split(",") if v]
     for spec in extra:
         SHAPES[spec] = tuple(int(d) for d in spec.split("x"))
-    sampler = GpuSampler()
+    sampler, meter = GpuSampler(), EnergyMeter()
     dev = jax.devices()[0]
-    print(f"device: {dev.device_kind}; {ffi.status('w4a8_matmul')}", flush=True)
+    print(f"device: {dev.device_kind}; {ffi.status('w4a8_matmul')}; energy counter: "
+          f"{'NVML' if meter.read_mj() is not None else 'none'}", flush=True)
     kernels = [k for k in args.kernels.split(",") if k]
-    anchors = set(a for a in args.anchors.split(",") if a)
+    anchors = [a for a in args.anchors.split(",") if a]
+    unknown = sorted(set(anchors) - set(ANCHOR_LABELS))
+    if unknown:
+        parser.error(f"--anchors: unknown {unknown}; known: {', '.join(ANCHOR_LABELS)}")
     names = [n for n in args.only.split(",") if n] + extra
-    header = (["GEMM", "N x K", "M"] + [f"jax_mila w4a8 ({k})" for k in kernels]
-              + ["XLA bf16", "XLA FP8 + row/col scales", "torch._scaled_mm FP8 rowwise",
-                 "w4a8 / XLA FP8", "weight bits/value", "SM MHz (w4a8 / XLA FP8 / cuBLASLt)"])
-    rows, records = [], []
+    paths = [f"w4a8_{k}" for k in kernels] + anchors
+    labels = {**{f"w4a8_{k}": f"w4a8 {k}" for k in kernels}, **ANCHOR_LABELS}
+    fp8_anchors = [a for a in ("xla_fp8_scaled", "xla_fp8_f32acc") if a in anchors]
+    header = (["GEMM", "N x K", "M"] + [labels[p] for p in paths]
+              + [f"w4a8 / {labels[a]}" for a in fp8_anchors] + ["weight bits/value"])
+    detail_header = ["GEMM", "M", "path", "TFLOP/s", "SM MHz (nvidia-smi)", "W (NVML energy)",
+                     "pJ/FLOP", f"rel. error, f32 out, {ACCURACY_ROWS} rows"]
+    rows, detail_rows, records = [], [], []
+    fmt = lambda v, spec=".0f": "-" if v is None else format(v, spec)  # noqa: E731
     for m in (int(v) for v in args.m.split(",")):
         for name in names:
             n, k = SHAPES[name]
@@ -214,25 +306,24 @@ def main() -> None:
             rec = {"gemm": name, "N": n, "K": k, "M": m,
                    "weight_bits_per_value": 8 * wq.nbytes / (n * k)}
 
-            timers, labels = {}, {}
+            timers = {}
             for kern in kernels:
                 fn = jax.jit(lambda a, b, c, kern=kern: ffi.w4a8_matmul(a, b, c, kernel=kern))
                 timers[f"w4a8_{kern}"] = _JaxTimer(fn, (xq, xs, wq), args.calls)
-                labels[f"w4a8_{kern}"] = f"w4a8 {kern}"
-            if "xla_bf16" in anchors:
-                timers["xla_bf16"] = _JaxTimer(_xla_bf16, (x, wt16), args.calls)
-                labels["xla_bf16"] = "XLA bf16"
-            if "xla_fp8_scaled" in anchors and n in XLA_FP8_HANGS_N:
-                print(f"  {name} M={m} XLA FP8 + scales: skipped (hangs at N={n})",
-                      file=sys.stderr, flush=True)
-            elif "xla_fp8_scaled" in anchors:
-                timers["xla_fp8_scaled"] = _JaxTimer(_xla_fp8_scaled, (xq, xs, w8, ws), args.calls)
-                labels["xla_fp8_scaled"] = "XLA FP8 + scales"
-            tfn = _torch_scaled_mm(xq, xs, w8, ws) if "torch_scaled_mm" in anchors else None
-            if tfn is not None:
-                timers["torch_scaled_mm"] = _TorchTimer(tfn, args.calls)
-                labels["torch_scaled_mm"] = "torch._scaled_mm"
-            rec.update(xla_bf16=None, xla_fp8_scaled=None, torch_scaled_mm=None)
+            for key in anchors:
+                if key in XLA_FP8_PRECISION and n in XLA_FP8_HANGS_N and not args.time_hanging:
+                    print(f"  {name} M={m} {labels[key]}: skipped (hangs at N={n}; "
+                          "--time-hanging times it)", file=sys.stderr, flush=True)
+                elif key == "xla_bf16":
+                    timers[key] = _JaxTimer(_xla_bf16, (x, wt16), args.calls)
+                elif key in XLA_FP8_PRECISION:
+                    timers[key] = _JaxTimer(_xla_fp8_scaled(XLA_FP8_PRECISION[key]),
+                                            (xq, xs, w8, ws), args.calls)
+                elif key == "torch_scaled_mm":
+                    tfn = _torch_scaled_mm(xq, xs, w8, ws)
+                    if tfn is not None:
+                        timers[key] = _TorchTimer(tfn, args.calls)
+            rec.update({key: None for key in anchors})
             # Sequentially, each path is timed and printed as it lands, so an anchor that hangs
             # still leaves the numbers before it; interleaved, all are printed at the end.
             groups = [timers] if args.interleave else [{key: t} for key, t in timers.items()]
@@ -240,38 +331,48 @@ def main() -> None:
                 # The labels go out before the timing, so a path that hangs is named in the log.
                 print(f"  {name} M={m} {' / '.join(labels[key] for key in group)} ...",
                       file=sys.stderr, flush=True)
-                for key, result in _time_all(group, TRIALS, args.interleave).items():
+                for key, result in _time_all(group, TRIALS, args.interleave, meter).items():
                     print(f"  {name} M={m} {labels[key]}:", end="", file=sys.stderr)
                     if isinstance(result, Exception):
                         rec[key] = None
                         print(f" failed: {type(result).__name__}: {result}", file=sys.stderr,
                               flush=True)
                         continue
-                    seconds, windows = result
-                    rec[key] = flops / seconds / 1e12
-                    rec[f"{key}_mhz"], rec[f"{key}_watts"] = sampler.window(windows)
+                    rec[key] = flops / result.seconds / 1e12
+                    rec[f"{key}_mhz"], rec[f"{key}_watts"] = sampler.window(result.windows)
+                    if result.energy_mj is not None:
+                        joules = result.energy_mj / 1e3
+                        rec[f"{key}_pj_per_flop"] = joules / (TRIALS * timers[key].calls * flops) * 1e12
+                        rec[f"{key}_energy_watts"] = joules / sum(t1 - t0 for t0, t1 in result.windows)
                     clock = "" if rec[f"{key}_mhz"] is None else (
                         f" at {rec[f'{key}_mhz']:.0f} MHz, {rec[f'{key}_watts']:.0f} W")
                     print(f" {rec[key]:.0f} TFLOP/s{clock}", file=sys.stderr, flush=True)
+            if args.accuracy:
+                errors = _accumulation_errors([p for p in paths if p in timers and rec.get(p)],
+                                              xq, xs, wq, w8, ws)
+                rec.update({f"{key}_rel_error": e for key, e in errors.items()})
             records.append(rec)
-            fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731  (None: failed)
-            ratio = (rec[f"w4a8_{kernels[0]}"] / rec["xla_fp8_scaled"]
-                     if kernels and rec[f"w4a8_{kernels[0]}"] and rec["xla_fp8_scaled"] else None)
-            row = ([name, f"{n} x {k}", m] + [fmt(rec[f"w4a8_{kk}"]) for kk in kernels]
-                   + [fmt(rec["xla_bf16"]), fmt(rec["xla_fp8_scaled"]), fmt(rec["torch_scaled_mm"]),
-                      "-" if ratio is None else f"{ratio:.2f}x",
-                      f"{rec['weight_bits_per_value']:.3f}",
-                      " / ".join(fmt(rec.get(f"{kk}_mhz")) for kk in
-                                 ([f"w4a8_{kernels[0]}"] if kernels else []) +
-                                 ["xla_fp8_scaled", "torch_scaled_mm"])])
+            first = rec.get(f"w4a8_{kernels[0]}") if kernels else None
+            ratios = [f"{first / rec[a]:.2f}x" if first and rec.get(a) else "-"
+                      for a in fp8_anchors]
+            row = ([name, f"{n} x {k}", m] + [fmt(rec.get(p)) for p in paths] + ratios
+                   + [f"{rec['weight_bits_per_value']:.3f}"])
             rows.append(row)
             print(" | ".join(str(c) for c in row), flush=True)
+            for p in paths:
+                if rec.get(p):
+                    detail_rows.append([name, m, labels[p], fmt(rec[p]), fmt(rec.get(f"{p}_mhz")),
+                                        fmt(rec.get(f"{p}_energy_watts")),
+                                        fmt(rec.get(f"{p}_pj_per_flop"), ".3f"),
+                                        fmt(rec.get(f"{p}_rel_error"), ".2e")])
             del x, w, xq, xs, wq, w8, ws, wt16
     sampler.close()
     write_json("gemm", {"device": dev.device_kind, "rows": records,
                         "anchors_xla_fp8_scaled_m16384": XLA_FP8_SCALED_ANCHOR})
     print()
     print(markdown_table(header, rows))
+    print()
+    print(markdown_table(detail_header, detail_rows))
 
 
 if __name__ == "__main__":
