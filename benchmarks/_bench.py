@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
@@ -102,34 +101,3 @@ class GpuSampler:
         if self._proc is not None:
             self._proc.kill()
             self._proc.wait()
-
-
-class EnergyMeter:
-    """The board's energy counter (NVML's total energy consumption, millijoules since the
-    driver loaded) of the first visible GPU, read through ctypes. Energy over a path's timed
-    trials, divided by their FLOPs, is the figure of merit of a kernel at the power limit; and
-    energy over time gives the mean power without nvidia-smi's sampling lag. `read_mj()` is
-    None without NVML (no GPU, or a driver without the counter)."""
-
-    def __init__(self):
-        self._nvml = self._handle = None
-        try:
-            nvml = ctypes.CDLL("libnvidia-ml.so.1")
-        except OSError:
-            return
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-        handle = ctypes.c_void_p()
-        if (nvml.nvmlInit_v2() != 0 or nvml.nvmlDeviceGetHandleByIndex_v2(
-                int(visible) if visible.isdigit() else 0, ctypes.byref(handle)) != 0):
-            return
-        self._nvml, self._handle = nvml, handle
-        if self.read_mj() is None:  # the counter is not supported on this board
-            self._nvml = None
-
-    def read_mj(self) -> int | None:
-        if self._nvml is None:
-            return None
-        mj = ctypes.c_ulonglong()
-        if self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle, ctypes.byref(mj)) != 0:
-            return None
-        return mj.value

@@ -1,7 +1,6 @@
 """The benchmarks' timing helpers, without a GPU: benchmarks/_bench.py's GpuSampler (the clock
-and power beside every GEMM number) against a stand-in nvidia-smi on PATH, its EnergyMeter
-without NVML, and benchmarks/gemm.py's trial scheduling (one path after another, or
-interleaved) with the energy of each path's trials."""
+and power beside every GEMM number) against a stand-in nvidia-smi on PATH, and
+benchmarks/gemm.py's trial scheduling (one path after another, or interleaved)."""
 
 from __future__ import annotations
 
@@ -87,28 +86,6 @@ class GpuSamplerTest(absltest.TestCase):
         sampler.close()
 
 
-class EnergyMeterTest(absltest.TestCase):
-
-    def test_without_nvml(self):
-        bench = _load_bench()
-        with mock.patch.object(bench.ctypes, "CDLL", side_effect=OSError("no libnvidia-ml")):
-            meter = bench.EnergyMeter()
-        self.assertIsNone(meter.read_mj())
-
-
-class _FakeMeter:
-    """An energy counter that advances 10 mJ per read, or reads None from read `broken_at` on."""
-
-    def __init__(self, broken_at=None):
-        self.reads, self.broken_at = 0, broken_at
-
-    def read_mj(self):
-        self.reads += 1
-        if self.broken_at is not None and self.reads >= self.broken_at:
-            return None
-        return 10 * self.reads
-
-
 class _FakeTimer:
     """Records the order of its calls in a shared log; fails on the given call if asked."""
 
@@ -163,20 +140,6 @@ class TrialScheduleTest(absltest.TestCase):
             self.assertIsInstance(out["bad"], RuntimeError)
             self.assertEqual(out["good"][0], 2.0)
             self.assertLen(out["good"][1], 3)
-
-    def test_energy_is_the_sum_over_a_path_s_own_trials(self):
-        for interleave in (False, True):
-            log = []
-            timers = {"a": _FakeTimer("a", log, [1.0] * 3), "b": _FakeTimer("b", log, [1.0] * 3)}
-            out = self.gemm._time_all(timers, 3, interleave, _FakeMeter())
-            # Every trial reads the counter before and after itself: 10 mJ apart.
-            self.assertEqual(out["a"].energy_mj, 30)
-            self.assertEqual(out["b"].energy_mj, 30)
-            out = self.gemm._time_all(
-                {"a": _FakeTimer("a", [], [1.0] * 3)}, 3, interleave, _FakeMeter(broken_at=4))
-            self.assertIsNone(out["a"].energy_mj)  # one unreadable counter spoils the sum
-            out = self.gemm._time_all({"a": _FakeTimer("a", [], [1.0] * 3)}, 3, interleave)
-            self.assertIsNone(out["a"].energy_mj)  # no meter
 
 
 if __name__ == "__main__":

@@ -153,11 +153,12 @@ class W4A8ReferenceTest(parameterized.TestCase):
 
     def test_stream_k_workspace_size(self):
         # One 128 KiB float32 slot per SM (+ 4 KiB of flags) where wgmma_ws may run ("auto",
-        # "wgmma_ws"); a token elsewhere; an H200's 132 SMs when the devices do not say.
+        # "wgmma_ws", "wgmma_ws_cluster"); a token elsewhere; an H200's 132 SMs when the devices
+        # do not say.
         slot, flags = 128 * 256 * 4, 4096
         devices = [mock.Mock(core_count=132), mock.Mock(core_count=148)]
         with mock.patch.object(w4a8_module.jax, "devices", return_value=devices):
-            for kernel in ("auto", "wgmma_ws"):
+            for kernel in ("auto", "wgmma_ws", "wgmma_ws_cluster"):
                 self.assertEqual(w4a8_module._workspace_bytes(w4a8_module.KERNELS[kernel]),
                                  flags + 148 * slot)
             for kernel in ("mma_sync", "wgmma", "wgmma_ws_dp"):
@@ -191,8 +192,8 @@ class W4A8ReferenceTest(parameterized.TestCase):
             self.assertEqual(w4a8_module._variant("auto"), 1)
 
 
-KERNELS = ["auto", "mma_sync", "wgmma", "wgmma_ws", "wgmma_ws_dp"]
-HOPPER_KERNELS = ("wgmma", "wgmma_ws", "wgmma_ws_dp")  # sm_90a only
+KERNELS = ["auto", "mma_sync", "wgmma", "wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster"]
+HOPPER_KERNELS = ("wgmma", "wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster")  # sm_90a only
 
 # Relative Frobenius error bound (float32 output, against the float32 reference or the float64
 # product) per kernel. mma_sync accumulates in float32: 2e-6. wgmma: Hopper's FP8 wgmma adds at
@@ -200,8 +201,10 @@ HOPPER_KERNELS = ("wgmma", "wgmma_ws", "wgmma_ws_dp")  # sm_90a only
 # expected ~1e-4 at any K. 4e-4 holds it with margin while the unpromoted kernel (1.6e-3 at
 # K=15360, measured on the H200) fails test_accuracy_k15360. wgmma_ws: the same promotion over
 # 256-long chunks (passed both bounds on the H200).
-F32_TOL = {"mma_sync": 2e-6, "wgmma": 4e-4, "wgmma_ws": 4e-4, "wgmma_ws_dp": 4e-4}
-K15360_TOL = {"mma_sync": 1e-5, "wgmma": 4e-4, "wgmma_ws": 4e-4, "wgmma_ws_dp": 4e-4}
+F32_TOL = {"mma_sync": 2e-6, "wgmma": 4e-4, "wgmma_ws": 4e-4, "wgmma_ws_dp": 4e-4,
+           "wgmma_ws_cluster": 4e-4}
+K15360_TOL = {"mma_sync": 1e-5, "wgmma": 4e-4, "wgmma_ws": 4e-4, "wgmma_ws_dp": 4e-4,
+              "wgmma_ws_cluster": 4e-4}
 
 
 def _resolve(kernel: str) -> str:
@@ -355,9 +358,34 @@ class W4A8KernelTest(parameterized.TestCase):
     )
     def test_stream_k(self, mnk):
         # wgmma_ws splits the last wave's tiles along K (csrc/w4a8/w4a8_sm90_ws.cu, "schedule");
-        # wgmma_ws_dp runs the same kernel on whole tiles. Both against the reference.
-        for kernel in ("wgmma_ws", "wgmma_ws_dp"):
+        # wgmma_ws_dp runs the same kernel on whole tiles; wgmma_ws_cluster splits the tile
+        # pairs of its 2-CTA clusters. All against the reference.
+        for kernel in ("wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster"):
             self._check(*mnk, kernel)
+
+    def test_cluster_agrees_bitwise_on_whole_tiles(self):
+        # wgmma_ws_cluster computes each weight tile with the same wgmmas in the same order as
+        # wgmma_ws; only the activations' way into shared memory (half of each stage multicast
+        # by each CTA of a pair) and the tile-to-CTA assignment differ. With K <= 1024 neither
+        # splits a tile along K (a piece must save more than 8 K tiles), so the outputs must be
+        # equal bit for bit. N = 264 is 3 weight tiles: the second CTA of the last pair has
+        # only rows past N; (8389, 2056) has 33 x 9 pairs, several per cluster, with M and N
+        # tails; M = 1 leaves 255 of the 256 multicast rows zero-filled.
+        self._require("wgmma_ws_cluster")
+        seed = _seed()
+        shapes = [(97, 264, 384), (1, 8, 128), (1000, 520, 1024)]
+        if not _under_compute_sanitizer():
+            shapes.append((8389, 2056, 384))
+        for m, n, k in shapes:
+            xq, xs, w = _operands(m, n, k, seed + m)
+            for dtype in (jnp.float32, jnp.bfloat16):
+                want = ffi.w4a8_matmul(xq, xs, w, out_dtype=dtype, kernel="wgmma_ws")
+                got = testing.call_with_poisoned_outputs(
+                    functools.partial(ffi.w4a8_matmul, out_dtype=dtype,
+                                      kernel="wgmma_ws_cluster"), xq, xs, w)
+                np.testing.assert_array_equal(
+                    np.asarray(got, np.float32), np.asarray(want, np.float32),
+                    err_msg=f"m={m} n={n} k={k} {jnp.dtype(dtype).name} seed={seed}")
 
     def test_conversion_orders_agree_bitwise(self):
         # wgmma_ws converts a chain's weights before its wgmmas; JAX_MILA_W4A8_WS_CONVERT=

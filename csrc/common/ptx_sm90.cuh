@@ -121,21 +121,24 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_addr) {
                : "memory");
 #endif
 }
-// mbar_wait with acquire at cluster scope (the phase was completed by arrivals from the
-// other CTA too).
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
+// mbar_try_wait with acquire at cluster scope (the phase was completed by arrivals from, or
+// copies issued by, the other CTA too).
+__device__ __forceinline__ bool mbar_try_wait_cluster(uint32_t bar, uint32_t parity) {
+  uint32_t done = 1;
 #ifdef MILA_HAS_SM90A
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
 #endif
+  return done != 0;
+}
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
+  while (!mbar_try_wait_cluster(bar, parity)) {
+  }
 }
 // All threads of every CTA of the cluster (not .aligned: callers may arrive diverged).
 __device__ __forceinline__ void cluster_sync() {
@@ -155,6 +158,19 @@ __device__ __forceinline__ void tma_load_4d_multicast(uint32_t dst, const void* 
       ".multicast::cluster [%0], [%1, {%3, %4, %5, %6}], [%2], %7;\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(tmap)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
       "h"(cta_mask)
+      : "memory");
+#endif
+}
+
+// tma_load_2d into the same shared-memory offset of every CTA in `cta_mask`, each CTA's
+// barrier at offset `bar` receiving the bytes that land in that CTA.
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const void* tmap, uint32_t bar,
+                                                      int c0, int c1, uint16_t cta_mask) {
+#ifdef MILA_HAS_SM90A
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(bar), "r"(c0), "r"(c1), "h"(cta_mask)
       : "memory");
 #endif
 }

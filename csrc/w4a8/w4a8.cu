@@ -450,9 +450,11 @@ cudaError_t LaunchW4A8Matmul(const W4A8Args& args, W4A8Variant variant, int cc,
     // builds that hold the sm_90a code.)
     variant = cc == 90 ? W4A8Variant::kWgmmaWs : W4A8Variant::kMmaSync;
   }
-  if (variant == W4A8Variant::kWgmmaWs || variant == W4A8Variant::kWgmmaWsDp) {
-    return cc == 90 ? LaunchW4A8WgmmaWs(args, variant == W4A8Variant::kWgmmaWs, stream)
-                    : cudaErrorNoKernelImageForDevice;
+  if (variant == W4A8Variant::kWgmmaWs || variant == W4A8Variant::kWgmmaWsDp ||
+      variant == W4A8Variant::kWgmmaWsCluster) {
+    if (cc != 90) return cudaErrorNoKernelImageForDevice;
+    return LaunchW4A8WgmmaWs(args, variant != W4A8Variant::kWgmmaWsDp,
+                             variant == W4A8Variant::kWgmmaWsCluster ? 2 : 1, stream);
   }
   if (variant == W4A8Variant::kWgmma) {
     if (cc != 90) return cudaErrorNoKernelImageForDevice;

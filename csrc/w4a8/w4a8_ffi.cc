@@ -72,10 +72,10 @@ ffi::Error W4A8MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x,
   if (reinterpret_cast<uintptr_t>(scales.untyped_data()) % 4 != 0) {
     return InvalidArgument(kOp, "w.scales: buffer must be 4-byte aligned");
   }
-  if (variant < 0 || variant > 4) {
+  if (variant < 0 || variant > static_cast<int64_t>(W4A8Variant::kWgmmaWsCluster)) {
     return InvalidArgument(kOp, "variant=", variant,
                            " (0 auto, 1 mma.sync, 2 wgmma, 3 warp-specialized wgmma, 4 the same "
-                           "without stream-K)");
+                           "without stream-K, 5 the same on 2-CTA clusters)");
   }
   if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1) {
     return InvalidArgument(kOp, "workspace: expected a uint8 vector, got FFI dtype ",

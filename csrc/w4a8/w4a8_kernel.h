@@ -52,8 +52,16 @@ struct W4A8Args {
 // Which kernel runs: kAuto picks wgmma_ws on compute capability 9.0, mma.sync otherwise.
 // kWgmmaWs: the warp-specialized sm_90a kernel (TMA producer, persistent, stream-K for the tiles
 // of the last wave; w4a8_sm90_ws.cu); kWgmmaWsDp: the same kernel on whole tiles only (the
-// data-parallel schedule, for comparison).
-enum class W4A8Variant : int { kAuto = 0, kMmaSync = 1, kWgmma = 2, kWgmmaWs = 3, kWgmmaWsDp = 4 };
+// data-parallel schedule, for comparison); kWgmmaWsCluster: the same kernel on 2-CTA clusters
+// that share each activation tile through TMA multicast.
+enum class W4A8Variant : int {
+  kAuto = 0,
+  kMmaSync = 1,
+  kWgmma = 2,
+  kWgmmaWs = 3,
+  kWgmmaWsDp = 4,
+  kWgmmaWsCluster = 5,
+};
 
 // Requires k % 128 == 0, n % 8 == 0, 16-byte aligned pointers for x, packed and out, and
 // compute capability >= 8.9 (`cc`, 10 * major + minor); kWgmma (and kAuto on cc 90) requires
@@ -63,7 +71,9 @@ cudaError_t LaunchW4A8Matmul(const W4A8Args& args, W4A8Variant variant, int cc,
                              cudaStream_t stream);
 
 // The kWgmmaWs kernel (w4a8_sm90_ws.cu); LaunchW4A8Matmul's checks apply, and cc must be 90.
-// stream_k: split the last wave's tiles along K over all SMs (needs args.workspace).
-cudaError_t LaunchW4A8WgmmaWs(const W4A8Args& args, bool stream_k, cudaStream_t stream);
+// stream_k: split the last wave's tiles along K over all SMs (needs args.workspace); cluster:
+// 1, or 2 for the multicast instance.
+cudaError_t LaunchW4A8WgmmaWs(const W4A8Args& args, bool stream_k, int cluster,
+                              cudaStream_t stream);
 
 }  // namespace mila

@@ -124,12 +124,20 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 #ifndef MILA_W4A8_WS_WATCHDOG_NS
 #define MILA_W4A8_WS_WATCHDOG_NS 20000000000ull  // 20 s
 #endif
+// Whether the phase with parity `parity` of `bar` has completed, with acquire at CTA scope or,
+// when other CTAs of a cluster arrive on it or copy into this CTA under it, cluster scope.
+template <int kCluster>
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  if constexpr (kCluster == 1) return ptx::sm90::mbar_try_wait(bar, parity);
+  return ptx::sm90::mbar_try_wait_cluster(bar, parity);
+}
 // mbar_wait with the watchdog.
+template <int kCluster = 1>
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  if (ptx::sm90::mbar_try_wait(bar, parity)) return;  // the common case: no timer read
+  if (mbar_try_wait<kCluster>(bar, parity)) return;  // the common case: no timer read
   if constexpr (MILA_W4A8_WS_WATCHDOG_NS > 0) {
     const uint64_t t0 = global_timer_ns();
-    while (!ptx::sm90::mbar_try_wait(bar, parity)) {
+    while (!mbar_try_wait<kCluster>(bar, parity)) {
       if (global_timer_ns() - t0 > MILA_W4A8_WS_WATCHDOG_NS) {
 #ifdef MILA_W4A8_WS_DEBUG
         printf("w4a8 wgmma_ws watchdog: block %d thread %d barrier smem 0x%x parity %u\n",
@@ -139,7 +147,8 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       }
     }
   } else {
-    ptx::sm90::mbar_wait(bar, parity);
+    while (!mbar_try_wait<kCluster>(bar, parity)) {
+    }
   }
 }
 
@@ -156,55 +165,78 @@ struct RingPos {
 
 // ---- schedule ---------------------------------------------------------------------------------
 //
-// Whole tiles [0, dp_tiles) go round-robin, one per CTA and wave (data-parallel). The tiles of
+// The schedule deals output tiles to units: a unit is one CTA, or with kCluster = 2 a cluster
+// of two CTAs that run the same pieces on adjacent weight tiles (tiles then count pairs of
+// weight tiles) and share every activation tile through TMA multicast.
+// Whole tiles [0, dp_tiles) go round-robin, one per unit and wave (data-parallel). The tiles of
 // the last, partial wave are cut along K (stream-K): their K tiles, counted tile after tile, are
-// dealt out in runs of sk_share to CTAs 0 .. sk_ctas - 1, so that every SM works until the end
+// dealt out in runs of sk_share to units 0 .. sk_units - 1, so that every SM works until the end
 // instead of a third of them idling through the last wave (480 tiles of the 12B's down_proj at
-// M = 4096 are 3.64 waves on 132 SMs). A run that starts inside a tile (k0 > 0) is its CTA's
+// M = 4096 are 3.64 waves on 132 SMs). A run that starts inside a tile (k0 > 0) is its unit's
 // first stream-K piece: it leaves a float32 partial in the CTA's workspace slot and raises the
-// slot's flag. The run holding k = 0 of a tile (its owner) ends its CTA's list, since the tile
-// goes on past it, and adds the later runs' partials, in CTA order, before the epilogue. An owner
-// thus waits only for the first pieces of higher CTAs, which wait for nobody: no cycle, with
-// every CTA resident (grid <= SMs, one CTA per SM).
+// slot's flag. The run holding k = 0 of a tile (its owner) ends its unit's list, since the tile
+// goes on past it, and adds the later runs' partials, in unit order, before the epilogue. An
+// owner thus waits only for the first pieces of higher units, which wait for nobody: no cycle,
+// with every CTA resident (the launcher sizes the grid to what fits at once).
 struct Schedule {
   int dp_tiles;
-  int sk_ctas;   // 0: no stream-K
-  int sk_share;  // K tiles per stream-K CTA, fewer than a tile's
+  int sk_units;  // 0: no stream-K
+  int sk_share;  // K tiles per stream-K unit, fewer than a tile's
   int sk_iters;  // K tiles of all stream-K tiles
 };
 
-// A CTA's unit of work: K tiles [k0, k1) of output tile `tile` (raster order).
+// A unit's piece of work: K tiles [k0, k1) of output tile `tile` (raster order).
 struct Piece {
   int tile, k0, k1;
 };
 
-// This CTA's pieces, walked with one int (the consumers hold it across their main loop, where
+// This CTA's rank in its cluster, read where it is used (the consumers have no register to
+// hold it across their main loop).
+template <int kCluster>
+__device__ __forceinline__ int cta_rank() {
+  return kCluster == 1 ? 0 : static_cast<int>(ptx::sm90::cluster_ctarank());
+}
+template <int kCluster>
+__device__ __forceinline__ int unit_id() {
+  return static_cast<int>(blockIdx.x) / kCluster;
+}
+template <int kCluster>
+__device__ __forceinline__ int unit_count() {
+  return static_cast<int>(gridDim.x) / kCluster;
+}
+
+// This unit's pieces, walked with one int (the consumers hold it across their main loop, where
 // every register counts): a whole tile t < dp_tiles, or dp_tiles + the stream-K K tile the piece
 // starts at, or -1 past the last piece. The producer and the consumers walk the same list.
+template <int kCluster>
 __device__ __forceinline__ int sk_begin(const Schedule& s) {
-  return static_cast<int>(blockIdx.x) < s.sk_ctas ? static_cast<int>(blockIdx.x) * s.sk_share
-                                                   : 0;
+  return unit_id<kCluster>() < s.sk_units ? unit_id<kCluster>() * s.sk_share : 0;
 }
+template <int kCluster>
 __device__ __forceinline__ int sk_end(const Schedule& s) {
-  return static_cast<int>(blockIdx.x) < s.sk_ctas ? min(sk_begin(s) + s.sk_share, s.sk_iters) : 0;
+  return unit_id<kCluster>() < s.sk_units ? min(sk_begin<kCluster>(s) + s.sk_share, s.sk_iters)
+                                          : 0;
 }
+template <int kCluster>
 __device__ __forceinline__ int first_piece(const Schedule& s) {
-  if (static_cast<int>(blockIdx.x) < s.dp_tiles) return blockIdx.x;
-  return sk_begin(s) < sk_end(s) ? s.dp_tiles + sk_begin(s) : -1;
+  if (unit_id<kCluster>() < s.dp_tiles) return unit_id<kCluster>();
+  return sk_begin<kCluster>(s) < sk_end<kCluster>(s) ? s.dp_tiles + sk_begin<kCluster>(s) : -1;
 }
+template <int kCluster>
 __device__ __forceinline__ Piece piece_at(const Schedule& s, int kt_count, int cursor) {
   if (cursor < s.dp_tiles) return {cursor, 0, kt_count};
   const int it = cursor - s.dp_tiles, u = it / kt_count, k0 = it - u * kt_count;
-  return {s.dp_tiles + u, k0, min(kt_count, k0 + sk_end(s) - it)};
+  return {s.dp_tiles + u, k0, min(kt_count, k0 + sk_end<kCluster>(s) - it)};
 }
+template <int kCluster>
 __device__ __forceinline__ int next_piece(const Schedule& s, int cursor, const Piece& p) {
   if (cursor < s.dp_tiles) {
-    const int t = cursor + static_cast<int>(gridDim.x);
+    const int t = cursor + unit_count<kCluster>();
     if (t < s.dp_tiles) return t;
-    return sk_begin(s) < sk_end(s) ? s.dp_tiles + sk_begin(s) : -1;
+    return sk_begin<kCluster>(s) < sk_end<kCluster>(s) ? s.dp_tiles + sk_begin<kCluster>(s) : -1;
   }
   const int it = cursor - s.dp_tiles + p.k1 - p.k0;
-  return it < sk_end(s) ? s.dp_tiles + it : -1;
+  return it < sk_end<kCluster>(s) ? s.dp_tiles + it : -1;
 }
 
 // Stream-K scratch: flags [CTA][consumer warpgroup], then per CTA the partial sums of its two
@@ -237,7 +269,22 @@ __device__ __forceinline__ void wait_flag(const uint32_t* flag) {
 // the H200 (2026-12-01, docs/performance.md) convert-first ran 4.5% more FLOP per SM clock in
 // benchmarks/micro/wgmma_fp8_loop.cu and 5-19% faster in the kernel (qkv, gate+up, down at
 // M = 16384), where the interleaved order had looked ~1% better in an ncu profile.
-template <typename OutT, bool kInterleave>
+//
+// kCluster 2 (kernel="wgmma_ws_cluster"; convert-first only): two CTAs of a cluster take
+// adjacent weight tiles of one activation tile, and each loads half of every activation stage
+// (128 rows) into both CTAs with TMA multicast: a CTA reads 24 KiB from L2 per K tile instead
+// of 40. Each CTA's full
+// barrier still expects the whole stage (its own weights and both halves) and one expect_tx
+// arrival of its own producer (bytes that land first only drive the transaction count below
+// zero while that arrival is pending); the empty barriers count one arrival per consumer warp
+// of both CTAs (either producer overwrites the stage in both), as cluster-scope releases that
+// the producers and consumers acquire at cluster scope. barrier.cluster at the start: both
+// CTAs' barriers are initialised before any multicast or remote arrival. None at the end: a
+// CTA's producer leaves only after its tail has seen every stage released by both CTAs'
+// consumers, so by then each of its multicasts has landed in both CTAs and every remote
+// arrival on its barriers has been made; nothing else crosses CTAs. (A barrier.cluster at
+// the end of the consumers' path made ptxas spill ~1.3 KB of their registers.)
+template <typename OutT, bool kInterleave, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
     w4a8_wgmma_ws_kernel(const __grid_constant__ CUtensorMap tmap_x,
                          const __grid_constant__ CUtensorMap tmap_w, const W4A8Args args,
@@ -254,18 +301,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int K = args.k, N = args.n;
   const int64_t M = args.m;
   const int tiles_m = static_cast<int>((M + kBM - 1) / kBM);
-  const int tiles_n = (N + kBN - 1) / kBN;
+  // The raster's N tiles: weight tiles, or (kCluster 2) pairs of them.
+  const int tiles_n = ((N + kBN - 1) / kBN + kCluster - 1) / kCluster;
   const int kt_count = K / kBK;
 
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       ptx::sm90::mbar_init(full_bar + 8 * s, kFullArrivals);
-      ptx::sm90::mbar_init(empty_bar + 8 * s, kConsumerThreads);
+      ptx::sm90::mbar_init(empty_bar + 8 * s, kCluster == 1 ? kConsumerThreads : 8 * kCluster);
     }
     ptx::sm90::mbar_init_fence();
   }
-  __syncthreads();
+  if constexpr (kCluster == 1) {
+    __syncthreads();
+  } else {
+    ptx::sm90::cluster_sync();
+  }
 
   // Pipeline steps (one K tile of one output tile each) are counted over the CTA's whole tile
   // sequence, identically by producer and consumers: step i uses stage i % kStages in pass
@@ -278,12 +330,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 #ifdef MILA_W4A8_WS_TIMING_ONLY
     bool timing_only_filled = false;
 #endif
-    for (int cursor = first_piece(sched); cursor >= 0;) {
-      const Piece piece = piece_at(sched, kt_count, cursor);
-      cursor = next_piece(sched, cursor, piece);
+    for (int cursor = first_piece<kCluster>(sched); cursor >= 0;) {
+      const Piece piece = piece_at<kCluster>(sched, kt_count, cursor);
+      cursor = next_piece<kCluster>(sched, cursor, piece);
       int tm, tn;
       tile_coords(piece.tile, tiles_m, tiles_n, kGroupM, tm, tn);
-      const int n0 = tn * kBN;
+      const int n0 = (tn * kCluster + cta_rank<kCluster>()) * kBN;
       // Byte offset of this lane's first exponent row of the tile (rows tid + 32 i below;
       // 32-bit: the launcher refuses N * K / 32 >= 2^31, and the producer has 24 registers).
       const uint32_t lane_scales = static_cast<uint32_t>(n0 + tid) * static_cast<uint32_t>(K / 32);
@@ -291,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t s = pos.stage;
         // A fresh barrier counts as having completed the pass before pass 0 (parity 1), so the
         // first kStages waits return at once.
-        mbar_wait(empty_bar + 8 * s, pos.phase ^ 1);
+        mbar_wait<kCluster>(empty_bar + 8 * s, pos.phase ^ 1);
         const uint32_t fb = full_bar + 8 * s;
 #ifdef MILA_W4A8_WS_TIMING_ONLY
         // Diagnostic build, wrong results: once every stage holds a real tile the producer only
@@ -306,7 +358,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
         if (tid == 0) {
           ptx::sm90::mbar_arrive_expect_tx(fb, kTxBytes);
-          ptx::sm90::tma_load_2d(smem_base + s * kXStage, &tmap_x, fb, kt * kBK, tm * kBM);
+          if constexpr (kCluster == 1) {
+            ptx::sm90::tma_load_2d(smem_base + s * kXStage, &tmap_x, fb, kt * kBK, tm * kBM);
+          } else {  // this CTA's half of the activation rows, into both CTAs
+            const int rank = cta_rank<kCluster>();
+            ptx::sm90::tma_load_2d_multicast(smem_base + s * kXStage + rank * kXHalf, &tmap_x, fb,
+                                             kt * kBK, tm * kBM + rank * kHalfM, 0x3);
+          }
           ptx::sm90::tma_load_2d(smem_base + kWOffset + s * kWStage, &tmap_w, fb, kt * kPackedTile,
                                  n0);
         }
@@ -326,10 +384,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     // until the consumers have released the last kStages real steps (steps before 0 pass at
     // once). Then every full-barrier phase this warp armed has completed (its TMA loads and
     // cp.async arrive-ons landed) before the issuing threads exit; cannot hang, since the
-    // consumers release every step they wait for.
+    // consumers release every step they wait for. kCluster 2: the releases are both CTAs'
+    // consumers', so this CTA's multicasts have landed in both and no remote arrival on its
+    // barriers is still to come (the kernel's end needs no barrier.cluster).
 #pragma unroll 1
     for (int j = 0; j < kStages; ++j, pos.advance())
-      mbar_wait(empty_bar + 8 * pos.stage, pos.phase ^ 1);
+      mbar_wait<kCluster>(empty_bar + 8 * pos.stage, pos.phase ^ 1);
     // Uncommitted cp.async belong to no group: commit, then wait, before the threads exit.
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
@@ -344,16 +404,31 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int g = lane / 4, q = lane % 4;
   const int wrow0 = cw * 64 + wwarp * 16 + g;  // tile-local weight rows wrow0, wrow0 + 8
 
+  // A stage's release: every consumer thread arrives (kCluster 1), or one lane per warp, on
+  // both CTAs' empty barriers (kCluster 2: either producer overwrites the stage in both).
+  auto release = [&](uint32_t stage) {
+    const uint32_t bar = empty_bar + 8 * stage;
+    if constexpr (kCluster == 1) {
+      ptx::sm90::mbar_arrive(bar);
+    } else {
+      __syncwarp();  // every lane of this warp is done with the stage
+      if (threadIdx.x % 32 == 0) {
+        ptx::sm90::mbar_arrive_cluster(ptx::sm90::map_to_cta(bar, 0));
+        ptx::sm90::mbar_arrive_cluster(ptx::sm90::map_to_cta(bar, 1));
+      }
+    }
+  };
+
   RingPos pos;
-  for (int cursor = first_piece(sched); cursor >= 0;) {
-    const Piece piece = piece_at(sched, kt_count, cursor);
+  for (int cursor = first_piece<kCluster>(sched); cursor >= 0;) {
+    const Piece piece = piece_at<kCluster>(sched, kt_count, cursor);
     int tm, tn;
     tile_coords(piece.tile, tiles_m, tiles_n, kGroupM, tm, tn);
     // A whole tile, or the piece that owns a split one, stores the tile; the others leave
     // their partial sums to the owner.
     const bool stores_tile = piece.k0 == 0;
     const int64_t m0 = static_cast<int64_t>(tm) * kBM;
-    const int n0 = tn * kBN;
+    const int n0 = (tn * kCluster + cta_rank<kCluster>()) * kBN;
     RowLut lut[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -430,7 +505,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int c = 0; c < kChain; ++c, pos.advance()) {
         st[c] = pos.stage;
         sx[c] = smem_base + st[c] * kXStage;
-        mbar_wait(full_bar + 8 * st[c], pos.phase);
+        mbar_wait<kCluster>(full_bar + 8 * st[c], pos.phase);
         RowWords rows[2];
         load_rows(st[c], rows);
 #pragma unroll
@@ -468,7 +543,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int e = 0; e < 4; ++e) ptx::sm90::fence_operand(a[c][kb][e]);
         // Both halves retired and the packed rows were read above: the stage may be refilled.
-        ptx::sm90::mbar_arrive(empty_bar + 8 * st[c]);
+        release(st[c]);
       }
     };
     // Counted down: one register across the chains (the piece's bounds are not held).
@@ -477,8 +552,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       chain(std::integral_constant<int, kChainTiles>{});
     if (left > 0) chain(std::integral_constant<int, 1>{});  // odd piece length
     // The piece again from the cursor (an opaque copy: recomputed, not held in registers).
-    const Piece done = piece_at(sched, kt_count, ptx::w4a8::opaque(cursor));
-    cursor = next_piece(sched, cursor, done);
+    const Piece done = piece_at<kCluster>(sched, kt_count, ptx::w4a8::opaque(cursor));
+    cursor = next_piece<kCluster>(sched, cursor, done);
 
     if (done.k0 != 0) {
       // This CTA's first stream-K piece: publish the partial sums for the tile's owner.
@@ -494,8 +569,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (done.k1 < kt_count) {
       // The owner of a split tile: add the partials of the CTAs that ran the rest of its K.
       const int first = (done.tile - sched.dp_tiles) * kt_count;
-      const int last_cta = (first + kt_count - 1) / sched.sk_share;
-      for (int c = blockIdx.x + 1; c <= last_cta; ++c) {
+      const int last_unit = (first + kt_count - 1) / sched.sk_share;
+      for (int u = unit_id<kCluster>() + 1; u <= last_unit; ++u) {
+        const int c = u * kCluster + cta_rank<kCluster>();  // unit u's CTA on these rows
         wait_flag(sk_flag(args, c, cw));
         const float4* slot = sk_slot(args, c, cw, wtid);
 #pragma unroll
@@ -593,37 +669,40 @@ constexpr int kMinStreamKTiles = 8;
 constexpr int kPartialsPerSavedTile = 10;
 constexpr int kMaxStreamKCtas = static_cast<int>(kW4A8FlagBytes / 8);  // two flags of 4 bytes
 
-// The schedule of `tiles` output tiles of kt_count K tiles each on `sms` CTAs, stream-K over at
-// most `slots` CTAs (0: whole tiles only).
-Schedule PlanSchedule(int64_t tiles, int kt_count, int sms, int64_t slots) {
+// The schedule of `tiles` output tiles of kt_count K tiles each on `units` units (CTAs or
+// clusters), stream-K over at most `sk_max` units (0: whole tiles only).
+Schedule PlanSchedule(int64_t tiles, int kt_count, int units, int64_t sk_max) {
   Schedule s{static_cast<int>(tiles), 0, 0, 0};
-  const int64_t rest = tiles % sms;
-  const int64_t ctas = std::min<int64_t>({sms, slots, kMaxStreamKCtas});
-  if (rest == 0 || ctas <= 0) return s;
+  const int64_t rest = tiles % units;
+  const int64_t sk_units = std::min<int64_t>(units, sk_max);
+  if (rest == 0 || sk_units <= 0) return s;
   const int64_t iters = rest * kt_count;
-  const int64_t share = std::max<int64_t>((iters + ctas - 1) / ctas, kMinStreamKTiles);
-  const int64_t sk_ctas = (iters + share - 1) / share;
-  if ((kt_count - share) * kPartialsPerSavedTile < sk_ctas) return s;
+  const int64_t share = std::max<int64_t>((iters + sk_units - 1) / sk_units, kMinStreamKTiles);
+  const int64_t used = (iters + share - 1) / share;
+  if ((kt_count - share) * kPartialsPerSavedTile < used) return s;
   s.dp_tiles = static_cast<int>(tiles - rest);
   s.sk_share = static_cast<int>(share);
   s.sk_iters = static_cast<int>(iters);
-  s.sk_ctas = static_cast<int>(sk_ctas);
+  s.sk_units = static_cast<int>(used);
   return s;
 }
 
-template <typename OutT>
+template <typename OutT, int kCluster>
 cudaError_t LaunchTyped(const W4A8Args& args, bool stream_k, cudaStream_t stream) {
   // TMA coordinates are int32; tile counts fit an int.
   if (args.m > INT32_MAX - kBM) return cudaErrorInvalidConfiguration;
-  const int64_t tiles = ((args.m + kBM - 1) / kBM) * ((args.n + kBN - 1) / kBN);
+  // Output tiles of the schedule: one weight tile each, or (kCluster 2) a pair.
+  const int64_t tiles =
+      ((args.m + kBM - 1) / kBM) * (((args.n + kBN - 1) / kBN + kCluster - 1) / kCluster);
   if (tiles > INT32_MAX) return cudaErrorInvalidConfiguration;
   // The producer addresses block exponents with 32-bit offsets (N x K/32 bytes: 32 GiB of
   // packed weights before this matters).
   if (static_cast<int64_t>(args.n) * (args.k / 32) > INT32_MAX)
     return cudaErrorInvalidConfiguration;
   CUtensorMap tmap_x, tmap_w;
+  // kCluster 2: each CTA multicasts half of the activation rows of a stage.
   cudaError_t err = EncodeMap(&tmap_x, args.x, static_cast<uint64_t>(args.m),
-                              static_cast<uint64_t>(args.k), kBM, kBK,
+                              static_cast<uint64_t>(args.k), kBM / kCluster, kBK,
                               CU_TENSOR_MAP_SWIZZLE_128B);
   if (err != cudaSuccess) return err;
   err = EncodeMap(&tmap_w, args.packed, static_cast<uint64_t>(args.n),
@@ -639,32 +718,60 @@ cudaError_t LaunchTyped(const W4A8Args& args, bool stream_k, cudaStream_t stream
     const char* v = std::getenv("JAX_MILA_W4A8_WS_CONVERT");
     return v != nullptr && std::string_view(v) == "interleaved";
   }();
-  auto kernel = interleave ? w4a8_wgmma_ws_kernel<OutT, true> : w4a8_wgmma_ws_kernel<OutT, false>;
+  auto kernel = kCluster == 2  ? w4a8_wgmma_ws_kernel<OutT, false, kCluster>
+                : interleave ? w4a8_wgmma_ws_kernel<OutT, true, 1>
+                             : w4a8_wgmma_ws_kernel<OutT, false, 1>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
+  cudaLaunchConfig_t cfg{};
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute cluster_attr[1];
+  cluster_attr[0].id = cudaLaunchAttributeClusterDimension;
+  cluster_attr[0].val.clusterDim.x = kCluster;
+  cluster_attr[0].val.clusterDim.y = 1;
+  cluster_attr[0].val.clusterDim.z = 1;
+  cfg.attrs = cluster_attr;
+  cfg.numAttrs = kCluster == 1 ? 0 : 1;  // kCluster 1: a plain launch
+  // Units that are resident at once: one CTA per SM, or as many clusters as the GPCs hold (a
+  // GPC with an odd number of free SMs leaves one idle). Stream-K needs every unit resident.
+  int units = sms;
+  if constexpr (kCluster > 1) {
+    cfg.gridDim = dim3(static_cast<unsigned>(kCluster * (sms / kCluster)));
+    if ((err = cudaOccupancyMaxActiveClusters(&units, kernel, &cfg)) != cudaSuccess) return err;
+    if (units <= 0) return cudaErrorInvalidConfiguration;
+  }
   const int64_t slots =
       stream_k && args.workspace != nullptr && args.workspace_bytes > kW4A8FlagBytes
           ? (args.workspace_bytes - kW4A8FlagBytes) / kW4A8SlotBytes
           : 0;
-  const Schedule sched = PlanSchedule(tiles, args.k / kBK, sms, slots);
-  if (sched.sk_ctas > 0) {
+  const Schedule sched = PlanSchedule(tiles, args.k / kBK, units,
+                                      std::min<int64_t>(slots, kMaxStreamKCtas) / kCluster);
+  if (sched.sk_units > 0) {
     // Flags down; a stream operation, so it is captured with the launch into a CUDA graph.
-    err = cudaMemsetAsync(args.workspace, 0, static_cast<size_t>(sched.sk_ctas) * 8, stream);
+    err = cudaMemsetAsync(args.workspace, 0,
+                          static_cast<size_t>(sched.sk_units) * kCluster * 8, stream);
     if (err != cudaSuccess) return err;
   }
-  // Every CTA gets a whole tile per full wave; with no full wave, the stream-K CTAs only.
-  const unsigned grid = static_cast<unsigned>(
-      sched.dp_tiles > 0 ? std::min<int64_t>(tiles, sms) : std::max(sched.sk_ctas, 1));
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(tmap_x, tmap_w, args, sched);
-  return cudaGetLastError();
+  // Every unit gets a whole tile per full wave; with no full wave, the stream-K units only.
+  const int64_t grid_units =
+      sched.dp_tiles > 0 ? std::min<int64_t>(tiles, units) : std::max(sched.sk_units, 1);
+  cfg.gridDim = dim3(static_cast<unsigned>(kCluster * grid_units));
+  return cudaLaunchKernelEx(&cfg, kernel, tmap_x, tmap_w, args, sched);
 }
 
 }  // namespace ws
 }  // namespace
 
-cudaError_t LaunchW4A8WgmmaWs(const W4A8Args& args, bool stream_k, cudaStream_t stream) {
-  return args.out_f32 ? ws::LaunchTyped<float>(args, stream_k, stream)
-                      : ws::LaunchTyped<__nv_bfloat16>(args, stream_k, stream);
+cudaError_t LaunchW4A8WgmmaWs(const W4A8Args& args, bool stream_k, int cluster,
+                              cudaStream_t stream) {
+  if (cluster == 2) {
+    return args.out_f32 ? ws::LaunchTyped<float, 2>(args, stream_k, stream)
+                        : ws::LaunchTyped<__nv_bfloat16, 2>(args, stream_k, stream);
+  }
+  return args.out_f32 ? ws::LaunchTyped<float, 1>(args, stream_k, stream)
+                      : ws::LaunchTyped<__nv_bfloat16, 1>(args, stream_k, stream);
 }
 
 }  // namespace mila

@@ -18,7 +18,9 @@ consumer warpgroups, persistent tile scheduling, and stream-K for the tiles of t
 wave: their K range is split over all SMs and the pieces' float32 partial sums are added, in a
 fixed order, by the piece that holds k = 0; the scratch for them is a second result of the custom
 call, one 128 KiB slot per SM; csrc/w4a8/w4a8_sm90_ws.cu). "wgmma_ws_dp" is wgmma_ws on whole
-tiles only (its schedule before stream-K, kept for comparison). "auto" (default) runs
+tiles only (its schedule before stream-K, kept for comparison). "wgmma_ws_cluster" is wgmma_ws
+on clusters of two CTAs that compute adjacent weight tiles of one activation tile and share it
+through TMA multicast (each CTA reads 24 KiB per K tile from L2 instead of 40). "auto" (default) runs
 wgmma_ws on compute capability 9.0 when this build has sm_90a code (JAX_MILA_CUDA_ARCHS includes
 90a, the default), mma_sync otherwise; ``auto_kernel()`` says which one for this process
 (AUTO_WGMMA_ON_SM90 = False turns the wgmma choice off). Hopper's FP8 wgmma accumulates at
@@ -67,7 +69,7 @@ N_MULTIPLE = 8  # 16-byte output rows per store group
 MIN_COMPUTE_CAPABILITY = (8, 9)  # FP8 mma.sync
 OUT_DTYPES = (jnp.bfloat16, jnp.float32)
 KERNELS = {"auto": 0, "mma_sync": 1, "wgmma": 2, "wgmma_ws": 3,  # the handler's `variant`
-           "wgmma_ws_dp": 4}
+           "wgmma_ws_dp": 4, "wgmma_ws_cluster": 5}
 # wgmma_ws's stream-K scratch (csrc/w4a8/w4a8_kernel.h): 4096 bytes of flags, then one float32
 # 128 x 256 partial tile per SM. A second result of the custom call, so that XLA plans it.
 _SK_FLAG_BYTES = 4096
@@ -133,7 +135,7 @@ def _validate(x, x_scale, w, out_dtype, kernel) -> None:
 
 def _workspace_bytes(variant: int) -> int:
     """Scratch for the handler: one stream-K slot per SM where wgmma_ws may run, else a token."""
-    if variant not in (KERNELS["auto"], KERNELS["wgmma_ws"]):
+    if variant not in (KERNELS["auto"], KERNELS["wgmma_ws"], KERNELS["wgmma_ws_cluster"]):
         return 16
     try:
         sms = max(int(getattr(d, "core_count", 0) or 0) for d in jax.devices("cuda"))
