@@ -736,11 +736,19 @@ cudaError_t LaunchTyped(const W4A8Args& args, bool stream_k, cudaStream_t stream
   cfg.numAttrs = kCluster == 1 ? 0 : 1;  // kCluster 1: a plain launch
   // Units that are resident at once: one CTA per SM, or as many clusters as the GPCs hold (a
   // GPC with an odd number of free SMs leaves one idle). Stream-K needs every unit resident.
+  // Queried once per device (the answer depends only on the kernel and the GPU).
   int units = sms;
   if constexpr (kCluster > 1) {
-    cfg.gridDim = dim3(static_cast<unsigned>(kCluster * (sms / kCluster)));
-    if ((err = cudaOccupancyMaxActiveClusters(&units, kernel, &cfg)) != cudaSuccess) return err;
-    if (units <= 0) return cudaErrorInvalidConfiguration;
+    static int cluster_units[64] = {};  // per device ordinal; 0: not asked yet
+    if (device < 0 || device >= 64) return cudaErrorInvalidDevice;
+    if (cluster_units[device] == 0) {
+      cfg.gridDim = dim3(static_cast<unsigned>(kCluster * (sms / kCluster)));
+      int n = 0;
+      if ((err = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg)) != cudaSuccess) return err;
+      if (n <= 0) return cudaErrorInvalidConfiguration;
+      cluster_units[device] = n;
+    }
+    units = cluster_units[device];
   }
   const int64_t slots =
       stream_k && args.workspace != nullptr && args.workspace_bytes > kW4A8FlagBytes
