@@ -276,9 +276,9 @@ __device__ __forceinline__ void wait_flag(const uint32_t* flag) {
 // of 40. Each CTA's full
 // barrier still expects the whole stage (its own weights and both halves) and one expect_tx
 // arrival of its own producer (bytes that land first only drive the transaction count below
-// zero while that arrival is pending); the empty barriers count one arrival per consumer warp
-// of both CTAs (either producer overwrites the stage in both), as cluster-scope releases that
-// the producers and consumers acquire at cluster scope. barrier.cluster at the start: both
+// zero while that arrival is pending); the empty barriers count every consumer thread of their
+// CTA and one lane per consumer warp of the other CTA (either producer overwrites the stage in
+// both), the latter as cluster-scope releases that the producers acquire at cluster scope. barrier.cluster at the start: both
 // CTAs' barriers are initialised before any multicast or remote arrival. None at the end: a
 // CTA's producer leaves only after its tail has seen every stage released by both CTAs'
 // consumers, so by then each of its multicasts has landed in both CTAs and every remote
@@ -309,7 +309,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       ptx::sm90::mbar_init(full_bar + 8 * s, kFullArrivals);
-      ptx::sm90::mbar_init(empty_bar + 8 * s, kCluster == 1 ? kConsumerThreads : 8 * kCluster);
+      // Every consumer thread of this CTA, and (kCluster 2) one lane per consumer warp of the
+      // other CTA.
+      ptx::sm90::mbar_init(empty_bar + 8 * s, kConsumerThreads + (kCluster - 1) * 8);
     }
     ptx::sm90::mbar_init_fence();
   }
@@ -404,18 +406,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int g = lane / 4, q = lane % 4;
   const int wrow0 = cw * 64 + wwarp * 16 + g;  // tile-local weight rows wrow0, wrow0 + 8
 
-  // A stage's release: every consumer thread arrives (kCluster 1), or one lane per warp, on
-  // both CTAs' empty barriers (kCluster 2: either producer overwrites the stage in both).
+  // A stage's release: every consumer thread arrives on its own CTA's empty barrier (the
+  // producer's cp.async of the exponents then follows each thread's reads), and with kCluster 2
+  // one lane per warp also on the other CTA's, whose producer multicasts into this CTA.
   auto release = [&](uint32_t stage) {
     const uint32_t bar = empty_bar + 8 * stage;
-    if constexpr (kCluster == 1) {
-      ptx::sm90::mbar_arrive(bar);
-    } else {
+    ptx::sm90::mbar_arrive(bar);
+    if constexpr (kCluster == 2) {
       __syncwarp();  // every lane of this warp is done with the stage
-      if (threadIdx.x % 32 == 0) {
-        ptx::sm90::mbar_arrive_cluster(ptx::sm90::map_to_cta(bar, 0));
-        ptx::sm90::mbar_arrive_cluster(ptx::sm90::map_to_cta(bar, 1));
-      }
+      if (threadIdx.x % 32 == 0)
+        ptx::sm90::mbar_arrive_cluster(ptx::sm90::map_to_cta(bar, cta_rank<kCluster>() ^ 1));
     }
   };
 
