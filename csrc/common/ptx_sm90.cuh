@@ -121,24 +121,21 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_addr) {
                : "memory");
 #endif
 }
-// mbar_try_wait with acquire at cluster scope (the phase was completed by arrivals from, or
-// copies issued by, the other CTA too).
-__device__ __forceinline__ bool mbar_try_wait_cluster(uint32_t bar, uint32_t parity) {
-  uint32_t done = 1;
-#ifdef MILA_HAS_SM90A
-  asm volatile(
-      "{\n.reg .pred p;\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-#endif
-  return done != 0;
-}
+// mbar_wait with acquire at cluster scope (the phase was completed by arrivals from the
+// other CTA too).
 __device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-  while (!mbar_try_wait_cluster(bar, parity)) {
-  }
+#ifdef MILA_HAS_SM90A
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+#endif
 }
 // All threads of every CTA of the cluster (not .aligned: callers may arrive diverged).
 __device__ __forceinline__ void cluster_sync() {
@@ -172,6 +169,16 @@ __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const void* 
       ".multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(tmap)), "r"(bar), "r"(c0), "r"(c1), "h"(cta_mask)
       : "memory");
+#endif
+}
+// Arrival on a barrier of another CTA of the cluster (`cluster_addr` from map_to_cta) with the
+// default .release.cta semantics, as CUTLASS's ClusterBarrier::arrive(cta_id): for a consumer
+// that releases a stage the other CTA's producer will overwrite, its reads have returned before
+// it arrives, which is all that producer needs. (mbar_arrive_cluster's .release.cluster puts a
+// MEMBAR.ALL.GPU before the arrival; the W4A8 cluster kernel ran at ~55% of its speed with it.)
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t cluster_addr) {
+#ifdef MILA_HAS_SM90A
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
 #endif
 }
 
