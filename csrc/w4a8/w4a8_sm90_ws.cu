@@ -56,6 +56,7 @@
 // (rows past M: TMA zero-fill, never stored), M < 2^31, N x K/32 < 2^31.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>  // printf of the watchdog (MILA_W4A8_WS_DEBUG)
 #include <cstdlib>
@@ -735,16 +736,16 @@ cudaError_t LaunchTyped(const W4A8Args& args, bool stream_k, cudaStream_t stream
   // Queried once per device (the answer depends only on the kernel and the GPU).
   int units = sms;
   if constexpr (kCluster > 1) {
-    static int cluster_units[64] = {};  // per device ordinal; 0: not asked yet
+    // Per device ordinal; 0: not asked yet. Atomic: devices launch from their own threads.
+    static std::atomic<int> cluster_units[64] = {};
     if (device < 0 || device >= 64) return cudaErrorInvalidDevice;
-    if (cluster_units[device] == 0) {
+    units = cluster_units[device].load(std::memory_order_relaxed);
+    if (units == 0) {
       cfg.gridDim = dim3(static_cast<unsigned>(kCluster * (sms / kCluster)));
-      int n = 0;
-      if ((err = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg)) != cudaSuccess) return err;
-      if (n <= 0) return cudaErrorInvalidConfiguration;
-      cluster_units[device] = n;
+      if ((err = cudaOccupancyMaxActiveClusters(&units, kernel, &cfg)) != cudaSuccess) return err;
+      if (units <= 0) return cudaErrorInvalidConfiguration;
+      cluster_units[device].store(units, std::memory_order_relaxed);
     }
-    units = cluster_units[device];
   }
   const int64_t slots =
       stream_k && args.workspace != nullptr && args.workspace_bytes > kW4A8FlagBytes
