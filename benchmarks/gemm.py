@@ -249,7 +249,7 @@ def main() -> None:
     parser.add_argument("--only", default=",".join(SHAPES))
     parser.add_argument("--kernels", default="auto,mma_sync")
     parser.add_argument("--calls", type=int, default=10)
-    parser.add_argument("--anchors", default="xla_bf16,xla_fp8_scaled,xla_fp8_f32acc,torch_scaled_mm",
+    parser.add_argument("--anchors", default=",".join(ANCHOR_LABELS),
                         help="baselines to time beside the kernels (comma-separated; '' for none): "
                              + ", ".join(ANCHOR_LABELS))
     parser.add_argument("--interleave", action="store_true",

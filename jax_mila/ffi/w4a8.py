@@ -20,7 +20,8 @@ fixed order, by the piece that holds k = 0; the scratch for them is a second res
 call, one 128 KiB slot per SM; csrc/w4a8/w4a8_sm90_ws.cu). "wgmma_ws_dp" is wgmma_ws on whole
 tiles only (its schedule before stream-K, kept for comparison). "wgmma_ws_cluster" is wgmma_ws
 on clusters of two CTAs that compute adjacent weight tiles of one activation tile and share it
-through TMA multicast (each CTA reads 24 KiB per K tile from L2 instead of 40). "auto" (default) runs
+through TMA multicast (each CTA reads 24 KiB per K tile from L2 instead of 40; opt-in, faster
+only on the largest GEMMs: docs/performance.md, sixteenth round). "auto" (default) runs
 wgmma_ws on compute capability 9.0 when this build has sm_90a code (JAX_MILA_CUDA_ARCHS includes
 90a, the default), mma_sync otherwise; ``auto_kernel()`` says which one for this process
 (AUTO_WGMMA_ON_SM90 = False turns the wgmma choice off). Hopper's FP8 wgmma accumulates at
