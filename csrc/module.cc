@@ -17,6 +17,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaQuantizeGeglu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaRmsNormQuantize);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaAddRmsNormQuantize);
 #endif
+#ifdef MILA_WITH_NORM_ROPE
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaRmsNormRope);
+#endif
 #ifdef MILA_WITH_FLASH256
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaFlashAttentionD256);
 #endif
@@ -53,6 +56,9 @@ NB_MODULE(_jax_mila_cuda, m) {
     targets["jax_mila_quantize_geglu"] = EncapsulateFfiHandler(MilaQuantizeGeglu);
     targets["jax_mila_rms_norm_quantize"] = EncapsulateFfiHandler(MilaRmsNormQuantize);
     targets["jax_mila_add_rms_norm_quantize"] = EncapsulateFfiHandler(MilaAddRmsNormQuantize);
+#endif
+#ifdef MILA_WITH_NORM_ROPE
+    targets["jax_mila_rms_norm_rope"] = EncapsulateFfiHandler(MilaRmsNormRope);
 #endif
 #ifdef MILA_WITH_FLASH256
     targets["jax_mila_flash_attention_d256"] = EncapsulateFfiHandler(MilaFlashAttentionD256);
