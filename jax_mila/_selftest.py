@@ -76,6 +76,24 @@ def _check_add_rms_norm_quantize() -> str | None:
     return problem
 
 
+def _check_rms_norm_rope() -> str | None:
+    from jax_mila import testing
+
+    for shape in ((97, 16, 256), (2, 33, 3, 512)):
+        k1, k2, k3 = jax.random.split(_fresh_key(), 3)
+        x = (jax.random.normal(k1, shape, jnp.float32) * 3).astype(jnp.bfloat16)
+        x = x.reshape(-1, shape[-1]).at[5].set(0).reshape(shape)  # one all-zero row
+        w = 1 + 0.5 * jax.random.normal(k2, (shape[-1],), jnp.float32)
+        cos, sin = jax.random.uniform(k3, (2,) + shape[-3:-2] + shape[-1:], jnp.float32, -1, 1)
+        cos, sin = cos.astype(jnp.bfloat16), sin.astype(jnp.bfloat16)
+        got = jax.jit(lambda *a: ffi.rms_norm_rope(*a, eps=1e-6))(x, w, cos, sin)
+        # Against the interval oracle: the kernel's sums of squares run in another order.
+        problem = testing.norm_rope_problem(x, w, cos, sin, got, eps=1e-6)
+        if problem is not None:
+            return f"{list(shape)}: {problem}"
+    return None
+
+
 def _attention_case(d: int, target: str) -> Callable[[], str | None]:
     """D=``d`` through ffi.flash_attention with its routing pinned to ``target`` (the Hopper
     kernel or the portable one: jax_mila/ffi/attention.py)."""
@@ -135,6 +153,7 @@ def _checks() -> dict[str, list[tuple[str | None, Callable[[], str | None]]]]:
         "quantize_activations": [(None, _check_quantize)],
         "quantize_geglu": [(None, _check_quantize_geglu)],
         "add_rms_norm_quantize": [(None, _check_add_rms_norm_quantize)],
+        "rms_norm_rope": [(None, _check_rms_norm_rope)],
         "flash_attention": [(t, _attention_case(d, t)) for d, t in _attention_targets()],
         "w4a8_matmul": [(None, _check_w4a8)],
     }

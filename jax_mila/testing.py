@@ -363,6 +363,53 @@ def add_rms_norm_quantization_problem(x, branch, result, *, branch_weight=None, 
                             (bad_codes, qv.size, "codes outside their interval")), max_listed)
 
 
+# ---- rms_norm_rope's interval oracle ---------------------------------------------------------
+#
+# What any correct implementation of rms_norm_rope (jax_mila/reference/norm_rope.py) may return,
+# per element in float64: the normed values n as rms_norm_interval admits them (any order of the
+# sum of squares, the rsqrt within NORM_RSQRT_ULPS ulp, one bf16 rounding), then exactly
+#   out = bf16(f32(n cos + rotate_half(n) sin))
+# whose products are exact in float32 (two bf16 significands; 2^-148 of absolute slack for the
+# subnormal range), so that the float32 sum is the one float32 rounding, then one bf16 rounding.
+# The expression is linear in n and in its partner, so its extremes over their intervals are at
+# the intervals' ends. Where n has one admissible value the output has one too, up to a
+# float32-level tie: a missing or extra bf16 rounding (of n, of the products, of the sum), a
+# flipped rotate_half, another cos row or a (1 + w) weight falls outside.
+
+
+def norm_rope_interval(x, weight, cos, sin, eps, *, rsqrt_ulps: float = NORM_RSQRT_ULPS):
+    """(lo, hi) float64 arrays of x's shape [..., T, H, D], bf16 values: what an admitted
+    rms_norm_rope(x, weight, cos, sin, eps=eps) may return."""
+    n_lo, n_hi = rms_norm_interval(x, weight, eps, rsqrt_ulps=rsqrt_ulps)
+    half = np.shape(x)[-1] // 2
+    rot_lo = np.concatenate([-n_hi[..., half:], n_lo[..., :half]], axis=-1)
+    rot_hi = np.concatenate([-n_lo[..., half:], n_hi[..., :half]], axis=-1)
+    c = np.asarray(cos, np.float32).astype(np.float64)[:, None, :]
+    s = np.asarray(sin, np.float32).astype(np.float64)[:, None, :]
+    lo = np.minimum(n_lo * c, n_hi * c) + np.minimum(rot_lo * s, rot_hi * s)
+    hi = np.maximum(n_lo * c, n_hi * c) + np.maximum(rot_lo * s, rot_hi * s)
+    # The float64 sums themselves may round (operands far apart in magnitude).
+    lo = lo - np.abs(lo) * 2.0**-52 - 2.0**-148
+    hi = hi + np.abs(hi) * 2.0**-52 + 2.0**-148
+    return _bf16(lo, -1), _bf16(hi, +1)
+
+
+def norm_rope_problem(x, weight, cos, sin, out, *, eps, rsqrt_ulps: float = NORM_RSQRT_ULPS,
+                      max_listed: int = 3) -> str | None:
+    """Why ``out`` is not what an admitted implementation of rms_norm_rope(x, weight, cos, sin,
+    eps=eps) could return (the interval oracle above), or None. Every element must pass: there
+    is no count of allowed exceptions."""
+    if np.shape(out) != np.shape(x) or np.dtype(out.dtype) != np.dtype(jnp.bfloat16):
+        return f"out: {np.dtype(out.dtype).name}{list(np.shape(out))} for x {list(np.shape(x))}"
+    got = np.asarray(out, np.float32).astype(np.float64)
+    if not np.all(np.isfinite(got)):
+        return f"{int(np.sum(~np.isfinite(got)))} NaN/inf elements in out"
+    lo, hi = norm_rope_interval(x, weight, cos, sin, eps, rsqrt_ulps=rsqrt_ulps)
+    bad = [f"{list(map(int, i))} x {float(np.asarray(x, np.float32)[i])!r}: out {got[i]!r}, "
+           f"admissible [{lo[i]!r}, {hi[i]!r}]" for i in zip(*np.nonzero((got < lo) | (got > hi)))]
+    return _problem_report(((bad, got.size, "elements outside their interval"),), max_listed)
+
+
 def _bad_rows(c: _RowsCheck, qr, sr, r0: int) -> list[str]:
     """One line per row of a block (starting at row r0) whose scale _quantized_rows_check
     rejected."""

@@ -103,6 +103,30 @@ def check_quantize():
         yield f"add_rms_norm_quantize {shape}"
 
 
+def check_norm_rope():
+    """The fused q/k norm + RoPE: both head dims, T = 1 and odd, H = 1 and odd, leading batch
+    dims, partial last blocks (16 rows a block at D = 256, 8 at D = 512), a zero row and rows of
+    magnitude 1e4, held against jax_mila.testing.norm_rope_problem (numpy, on the host)."""
+    st = ffi.status("rms_norm_rope")
+    if not (testing.has_cuda() and st.kernel):
+        yield f"rms_norm_rope: skipped, no kernel here ({st.reason})"
+        return
+    for shape in ((1, 1, 256), (1, 1, 512), (97, 1, 256), (97, 8, 512), (97, 16, 256),
+                  (37, 3, 512), (2, 33, 3, 256), (2, 3, 5, 2, 512), (1000, 16, 256),
+                  (1, 1000, 1, 512)):
+        t, d = shape[-3], shape[-1]
+        rows = int(np.prod(shape[:-1]))
+        x = _bf16((rows, d), 3.0).at[0].set(0).at[-1].multiply(1e4).reshape(shape)
+        w = jnp.asarray(RNG.uniform(-1, 3, d).astype(np.float32))
+        cos = jnp.asarray(RNG.uniform(-1, 1, (t, d)).astype(np.float32)).astype(jnp.bfloat16)
+        sin = jnp.asarray(RNG.uniform(-1, 1, (t, d)).astype(np.float32)).astype(jnp.bfloat16)
+        got = testing.call_with_poisoned_outputs(
+            lambda x, w, c, s: ffi.rms_norm_rope(x, w, c, s, eps=1e-6), x, w, cos, sin)
+        problem = testing.norm_rope_problem(x, w, cos, sin, got, eps=1e-6)
+        assert problem is None, (shape, problem)
+        yield f"rms_norm_rope {shape}"
+
+
 # (B, T, S, Hq, Hkv, causal, window, q_offset, kv_offset): odd sizes, GQA, a window, masked rows.
 ATTENTION_CASES = (
     (1, 1, 1, 2, 1, True, None, 0, 0),
@@ -286,7 +310,8 @@ def check_collectives_two_gpus():
 # the portable mma.sync kernels. The launchers' developer knobs (JAX_MILA_FLASH256_SM90_LOOP,
 # JAX_MILA_FLASH256_SM90_PERSISTENT, JAX_MILA_FLASH512_SM90_CLUSTER) are read once per process:
 # set them in the environment of the sanitized process.
-OPS = {"quantize": check_quantize, "d256": lambda: check_attention(256),
+OPS = {"quantize": check_quantize, "norm_rope": check_norm_rope,
+       "d256": lambda: check_attention(256),
        "d512": lambda: check_attention(512),
        "d256_mma": lambda: _with_env("JAX_MILA_FLASH256_SM90", "0", check_attention(256)),
        "d512_mma": lambda: _with_env("JAX_MILA_FLASH512_SM90", "0", check_attention(512)),

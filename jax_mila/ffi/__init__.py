@@ -3,6 +3,7 @@ dispatch to the CUDA kernel on GPU or to the pure-JAX reference elsewhere."""
 
 from jax_mila.ffi._registry import DISABLE_ENV, OPS, OpStatus, available, build_info, status
 from jax_mila.ffi.attention import flash_attention
+from jax_mila.ffi.norm_rope import rms_norm_rope
 from jax_mila.ffi.quantize import add_rms_norm_quantize, quantize_activations, quantize_geglu
 from jax_mila.ffi.w4a8 import w4a8_matmul
 
@@ -16,6 +17,7 @@ __all__ = [
     "flash_attention",
     "quantize_activations",
     "quantize_geglu",
+    "rms_norm_rope",
     "status",
     "w4a8_matmul",
 ]

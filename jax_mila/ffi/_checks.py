@@ -3,6 +3,7 @@ the argument, what it got and what is supported."""
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import jax.numpy as jnp
@@ -37,3 +38,15 @@ def check_nonempty(op: str, arg: str, x) -> None:
 
 def is_bf16(x) -> bool:
     return np.dtype(x.dtype) == np.dtype(jnp.bfloat16)
+
+
+def static_eps(op: str, eps) -> float:
+    """``eps`` as a Python float, if it is a static finite number > 0 (a kernel attribute)."""
+    try:
+        value = float(eps)
+    except Exception:  # noqa: BLE001 - a tracer, an array of several values, a string ...
+        fail(op, "eps", f"must be a static Python number (an attribute of the kernel), got "
+                        f"{type(eps).__name__}")
+    if not (math.isfinite(value) and value > 0):
+        fail(op, "eps", f"{value!r} is not supported (supported: a finite number > 0)")
+    return value

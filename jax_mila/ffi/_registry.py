@@ -27,6 +27,7 @@ OPS: dict[str, tuple[str, ...]] = {
     "quantize_geglu": ("jax_mila_quantize_geglu",),
     # With a branch (residual add, returns h) and without.
     "add_rms_norm_quantize": ("jax_mila_add_rms_norm_quantize", "jax_mila_rms_norm_quantize"),
+    "rms_norm_rope": ("jax_mila_rms_norm_rope",),
     "flash_attention": ("jax_mila_flash_attention_d256", "jax_mila_flash_attention_d512",
                         "jax_mila_flash_attention_d512_sm90",  # the last two: Hopper only
                         "jax_mila_flash_attention_d256_sm90"),

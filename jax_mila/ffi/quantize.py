@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -145,13 +144,7 @@ def add_rms_norm_quantize(x, branch=None, *, branch_weight=None, norm_weight, ep
         _checks.fail(NORM_OP, "branch_weight", "given without a branch (pass branch=, or no "
                                                "branch_weight)")
     _validate_norm_weight("norm_weight", norm_weight, k)
-    try:
-        eps = float(eps)
-    except Exception:  # noqa: BLE001 - a tracer, an array of several values, a string ...
-        _checks.fail(NORM_OP, "eps", f"must be a static Python number (an attribute of the "
-                                     f"kernel), got {type(eps).__name__}")
-    if not (math.isfinite(eps) and eps > 0):
-        _checks.fail(NORM_OP, "eps", f"{eps!r} is not supported (supported: a finite number > 0)")
+    eps = _checks.static_eps(NORM_OP, eps)
     ref = functools.partial(_norm_reference, eps=eps)
     kernel = functools.partial(_norm_kernel, eps=eps)
     if branch is None:
