@@ -62,6 +62,11 @@ class ModelFallbackLoggingTest(parameterized.TestCase):
         self.assertLen(_fallback_lines(lines, "flash_attention"), 2, msg)
         self.assertTrue(any("head_dim=32" in line for line in lines), msg)
         self.assertTrue(any("head_dim=64" in line for line in lines), msg)
+        # The same two head dims keep the q/k norms and RoPE unfused (no rms_norm_rope kernel):
+        # one line each, not one per layer or per q and k.
+        norm_rope = _fallback_lines(lines, "rms_norm_rope")
+        self.assertLen(norm_rope, 2, msg)
+        self.assertTrue(all("the unfused norm and RoPE" in line for line in norm_rope), msg)
         for op in ("quantize_activations", "quantize_geglu", "add_rms_norm_quantize",
                    "w4a8_matmul"):
             self.assertLen(_fallback_lines(lines, op), 1, msg)

@@ -44,7 +44,9 @@ CASES = [dict(testcase_name=name, name=name) for name in fx.CONFIGS]
 # bf16 against transformers on both backends (select one with -k mila / -k reference).
 # "mila" runs the CUDA kernels where they apply: on a GPU, the flash-attention kernels for
 # kernel_dims_12b_like (head dims 256 / 512; the other fixtures' head dims fall back, logged);
-# on CPU it is the reference path, so there the two backends compute the same logits.
+# on CPU it is every op's reference, so there the two backends differ only where those head
+# dims take rms_norm_rope, whose RoPE rounds once to bf16 where apply_rope's bf16 ops round
+# three times (jax_mila/reference/norm_rope.py).
 BF16_NAMES = ("e2b_like", "unified_12b_like_nested", "moe_26b_like", "kernel_dims_12b_like")
 BF16_CASES = [dict(testcase_name=f"{name}_{backend}", name=name, backend=backend)
               for name in BF16_NAMES for backend in ("reference", "mila")]

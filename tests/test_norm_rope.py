@@ -1,17 +1,24 @@
 """rms_norm_rope, the fused per-head RMS norm + RoPE of the attention layers: the reference
 against the float64 interval oracle (jax_mila.testing.norm_rope_problem), the oracle against
-wrong implementations, validation (CPU); the kernel against the oracle with poisoned outputs
-(GPU). Inputs are fresh random values every run; each test prints its seed."""
+wrong implementations, validation, where the Gemma 4 attention layers take the op (CPU); the
+kernel against the oracle with poisoned outputs (GPU). Inputs are fresh random values every
+run; each test prints its seed."""
 
 import functools
+import logging
 import os
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
+from flax import nnx
+from jax.sharding import Mesh
 
-from jax_mila import ffi, reference, testing
+from jax_mila import ffi, gemma4, nn, parallel, reference, testing
+from jax_mila.ffi import _registry
+from jax_mila.gemma4 import rope
 from jax_mila.gemma4.config import RopeSpec
 from jax_mila.gemma4.rope import apply_rope, rope_tables
 from jax_mila.nn.norm import rms_norm
@@ -232,6 +239,110 @@ class ValidationTest(parameterized.TestCase):
         x, w, cos, sin = norm_rope_inputs((2, 1, 256), seed=0)
         with self.assertRaisesRegex(ValueError, "eps: must be a static Python number"):
             jax.jit(lambda e: ffi.rms_norm_rope(x, w, cos, sin, eps=e))(1e-6)
+
+
+S, F = "sliding_attention", "full_attention"
+# The kernel's head dims at toy width: 3 layers with their own K/V (q and k through the op, v
+# not: a weightless norm and no RoPE) and one KV-shared layer (q only).
+KERNEL_DIMS = dict(
+    model_type="gemma4_text", vocab_size=61, hidden_size=64, intermediate_size=48,
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=256,
+    global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True,
+    layer_types=[S, F, S, F], num_kv_shared_layers=1, sliding_window=3,
+    hidden_size_per_layer_input=0, final_logit_softcapping=30.0)
+
+
+def kernel_dims_model(backend, seed, dtype=jnp.bfloat16):
+    cfg = gemma4.Gemma4Config.from_dict(KERNEL_DIMS)
+    return gemma4.Gemma4ForCausalLM(cfg, dtype=dtype, backend=backend, rngs=nnx.Rngs(seed))
+
+
+def rel_err(a, b):
+    return testing.rel_fro_err(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+class ModelTest(parameterized.TestCase):
+    """Where the attention layers take the op: backends with kernels, bf16, head dims 256/512."""
+
+    def test_norm_rope_helper_on_each_backend(self):
+        seed = fresh_seed()
+        x, _, cos, sin = norm_rope_inputs((1, 9, 4, 256), seed=seed, tables="gemma")
+        norm = nn.RMSNorm(256, eps=EPS, param_dtype=jnp.bfloat16)
+        norm.weight[...] = 1 + 0.5 * jax.random.normal(jax.random.key(seed), (256,), jnp.bfloat16)
+        fused = rope.norm_rope(norm, x, cos, sin, backend="mila")
+        want = reference.rms_norm_rope(x, norm.weight[...], cos, sin, eps=EPS)
+        if not testing.has_cuda():  # the op's CPU path is its reference, bit for bit
+            np.testing.assert_array_equal(np.asarray(fused, np.float32),
+                                          np.asarray(want, np.float32))
+        assert_admissible(self, x[0], norm.weight[...], cos, sin, fused[0], f"seed {seed}")
+        with mock.patch.object(ffi, "rms_norm_rope", side_effect=AssertionError("called")):
+            two_step = rope.norm_rope(norm, x, cos, sin, backend="reference")
+        np.testing.assert_array_equal(np.asarray(two_step, np.float32),
+                                      np.asarray(apply_rope(norm(x), cos, sin), np.float32))
+
+    @parameterized.named_parameters(
+        dict(testcase_name="head_dim_128", d=128, dtype=jnp.bfloat16, why="head_dim=128"),
+        dict(testcase_name="float32", d=256, dtype=jnp.float32, why="dtype float32"),
+    )
+    def test_unsupported_calls_stay_unfused_and_say_why(self, d, dtype, why):
+        _registry.reset_fallback_log()
+        x, _, cos, sin = norm_rope_inputs((1, 5, 2, 256), seed=fresh_seed())
+        x, cos, sin = x[..., :d].astype(dtype), cos[:, :d].astype(dtype), sin[:, :d].astype(dtype)
+        norm = nn.RMSNorm(d, eps=EPS)
+        with mock.patch.object(ffi, "rms_norm_rope", side_effect=AssertionError("called")):
+            with self.assertLogs("jax_mila", logging.INFO) as logs:
+                got = rope.norm_rope(norm, x, cos, sin, backend="mila")
+                rope.norm_rope(norm, x[:, :3], cos[:3], sin[:3], backend="mila")
+        lines = [line for line in logs.output if "jax_mila.rms_norm_rope falls back" in line]
+        self.assertLen(lines, 1, logs.output)
+        self.assertIn(why, lines[0])
+        np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                      np.asarray(apply_rope(norm(x), cos, sin), np.float32))
+
+    def test_kernel_backends_fuse_q_and_k_not_v(self):
+        seed = fresh_seed()
+        model = kernel_dims_model("auto", seed)
+        ids = jax.random.randint(jax.random.key(seed), (2, 7), 3, 61, jnp.int32)
+        with mock.patch.object(ffi, "rms_norm_rope", wraps=ffi.rms_norm_rope) as fused:
+            logits = model(ids)
+        # q and k of the three layers with K/V, q of the shared one.
+        self.assertEqual(fused.call_count, 3 * 2 + 1)
+        dims = sorted(call.args[0].shape[-1] for call in fused.call_args_list)
+        self.assertEqual(dims, [256] * 4 + [512] * 3)
+        ref = kernel_dims_model("reference", seed)
+        with mock.patch.object(ffi, "rms_norm_rope", side_effect=AssertionError("called")):
+            want = ref(ids)
+        # bf16 noise (the op's single rounding, moved through 4 layers), not a wrong layer.
+        self.assertLess(rel_err(logits, want), 0.05, f"seed {seed}")
+
+    def test_prefill_chunks_and_decode(self):
+        seed = fresh_seed()
+        model = kernel_dims_model("auto", seed)
+        ids = jax.random.randint(jax.random.key(seed), (1, 11), 3, 61, jnp.int32)
+        with mock.patch.object(ffi, "rms_norm_rope", wraps=ffi.rms_norm_rope) as fused:
+            one, cache = gemma4.prefill(model, ids, max_cache_len=16)
+            chunked, _ = gemma4.prefill(model, ids, chunk_size=4, max_cache_len=16)
+            new = gemma4.generate(model, ids, 3, cache=cache, logits=one)
+        self.assertGreater(fused.call_count, 0)
+        self.assertEqual(new.shape, (1, 3))
+        self.assertLess(rel_err(chunked, one), 0.05, f"seed {seed}")
+
+    def test_context_and_tensor_parallel_paths(self):
+        if len(jax.devices("cpu")) < 4:
+            self.skipTest("needs 4 CPU devices (tests/conftest.py sets jax_num_cpu_devices)")
+        seed = fresh_seed()
+        model = kernel_dims_model("auto", seed)
+        ids = jax.random.randint(jax.random.key(seed), (1, 12), 3, 61, jnp.int32)
+        want = model(ids)
+        mesh = Mesh(np.array(jax.devices("cpu")[:4]).reshape(2, 2), ("seq", "heads"))
+        with mock.patch.object(ffi, "rms_norm_rope", wraps=ffi.rms_norm_rope) as fused:
+            full = parallel.forward(model, ids, mesh, heads_axis="heads", seq_axis="seq")
+            one, _ = gemma4.prefill(model, ids, chunk_size=4, max_cache_len=16)
+            chunks, _ = gemma4.prefill(model, ids, chunk_size=4, max_cache_len=16, mesh=mesh,
+                                       seq_segments=2)
+        self.assertGreater(fused.call_count, 0)
+        self.assertLess(rel_err(full, want), 0.05, f"seed {seed}")
+        self.assertLess(rel_err(chunks, one), 0.05, f"seed {seed}")
 
 
 class KernelTest(parameterized.TestCase):

@@ -19,7 +19,7 @@ from flax import nnx
 from jax_mila import nn
 from jax_mila.gemma4 import cache as kv
 from jax_mila.gemma4.config import Gemma4Config, LayerSpec
-from jax_mila.gemma4.rope import apply_rope
+from jax_mila.gemma4.rope import norm_rope
 from jax_mila.parallel import chunked as cpc
 from jax_mila.parallel import context as cp
 from jax_mila.parallel.tensor import kv_heads_for_local_queries, reduce_partial_sums
@@ -35,6 +35,7 @@ class Gemma4Attention(nnx.Module):
         self.num_kv_heads, self.eps = spec.num_kv_heads, cfg.rms_norm_eps
         self.window = cfg.sliding_window if spec.is_sliding else None
         self.is_kv_shared, self.k_eq_v = spec.is_kv_shared, spec.k_eq_v
+        self.backend = backend  # of the fused q/k norm + RoPE (rope.norm_rope)
         lin = dict(backend=backend, dtype=dtype, param_dtype=param_dtype, quantize=quantize, rngs=rngs)
         h, q_dim, kv_dim = cfg.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(h, q_dim, **lin)
@@ -72,14 +73,14 @@ class Gemma4Attention(nnx.Module):
         # Head counts from the arrays: under tensor parallelism this device holds a slice of the
         # heads (jax_mila/parallel/tensor.py).
         q = nn.project(self.q_proj, x).reshape(b, t, -1, self.head_dim)
-        q = apply_rope(self.q_norm(q), cos, sin)
+        q = norm_rope(self.q_norm, q, cos, sin, backend=self.backend)
         new_entry = None
         if self.is_kv_shared:
             k, v, kv_offset = shared
         else:
             k_raw = nn.project(self.k_proj, x).reshape(b, t, -1, self.head_dim)
             v_raw = k_raw if self.k_eq_v else nn.project(self.v_proj, x).reshape(k_raw.shape)
-            k = apply_rope(self.k_norm(k_raw), cos, sin)
+            k = norm_rope(self.k_norm, k_raw, cos, sin, backend=self.backend)
             v = nn.rms_norm(v_raw, None, self.eps)
             kv_offset = jnp.int32(0)
             ring = kv.ring_size(self.window, max_len) if self.window is not None else None

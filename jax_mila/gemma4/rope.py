@@ -8,6 +8,12 @@ Traps:
   "rotate the first 128 contiguous dims".
 - As HF does, cos/sin are computed in float32 and cast to the activation dtype before the
   multiply-add, which runs in that dtype.
+
+The attention layers apply RoPE to the outputs of their q/k norms: ``norm_rope`` runs the two
+as one op (jax_mila.ffi.rms_norm_rope) on the backends with kernels, ``apply_rope(norm(x))``
+on "reference" and where that op cannot take the call. The fused op rounds the RoPE once, not
+per bf16 operation (jax_mila/reference/norm_rope.py), so "mila" and "reference" models differ
+by that rounding, on CPU too.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_mila import ffi
+from jax_mila.ffi import norm_rope as ffi_norm_rope
+from jax_mila.ffi._registry import log_fallback
 from jax_mila.gemma4.config import RopeSpec
 
 
@@ -41,3 +50,36 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     return (x * cos + rotated * sin).astype(x.dtype)
+
+
+def fused_unsupported_reason(x: jax.Array, weight: jax.Array | None, cos: jax.Array) -> str | None:
+    """Why jax_mila.ffi.rms_norm_rope cannot take norm + RoPE of x [B, T, H, D] (norm weight
+    ``weight``, None for a weightless norm), or None. The reasons name the configuration, never
+    the length, so a model logs each once."""
+    d = x.shape[-1]
+    if d not in ffi_norm_rope.HEAD_DIMS:
+        return f"head_dim={d} (the kernel takes head_dim in {ffi_norm_rope.HEAD_DIMS})"
+    bf16 = jnp.dtype(jnp.bfloat16)
+    if jnp.dtype(x.dtype) != bf16 or jnp.dtype(cos.dtype) != bf16:
+        return (f"dtype {jnp.dtype(x.dtype).name} activations / {jnp.dtype(cos.dtype).name} "
+                "rope tables (the kernel takes bfloat16 for both)")
+    if weight is None:
+        return "a norm without weight (the kernel takes one)"
+    if jnp.dtype(weight.dtype) not in [jnp.dtype(t) for t in ffi_norm_rope.WEIGHT_DTYPES]:
+        return (f"norm weight dtype {jnp.dtype(weight.dtype).name} (the kernel takes bfloat16 or "
+                "float32)")
+    return None
+
+
+def norm_rope(norm, x: jax.Array, cos: jax.Array, sin: jax.Array, *, backend: str) -> jax.Array:
+    """``apply_rope(norm(x), cos, sin)`` for an nn.RMSNorm ``norm`` and x [B, T, H, D]: one op,
+    jax_mila.ffi.rms_norm_rope (the kernel on GPU, its reference elsewhere), on a backend with
+    kernels where it takes the call (else it logs why, once per reason); the two steps on
+    "reference"."""
+    if backend != "reference":
+        weight = norm.weight[...] if norm.with_scale else None
+        reason = fused_unsupported_reason(x, weight, cos)
+        if reason is None:
+            return ffi.rms_norm_rope(x, weight, cos, sin, eps=norm.eps)
+        log_fallback(ffi_norm_rope.OP, reason, instead="the unfused norm and RoPE")
+    return apply_rope(norm(x), cos, sin)
