@@ -1,0 +1,86 @@
+"""The attention layers' q/k norm + RoPE: rms_norm_rope (one kernel) against what it replaces,
+XLA's fusions of apply_rope(rms_norm(x, w), cos, sin) (a norm pass and a RoPE pass).
+
+Bytes per call, counted for both columns: 2 * 2 * rows * D (x read, the result written) +
+2 * 2 * T * D (cos and sin read once per token) + 4 * D (the weight). The unfused pair moves
+the normed x twice more (written by the norm, read by the RoPE).
+
+Shapes are [T, H, D] of one 4096-token prefill chunk of the 12B: the sliding layers' q and k
+(16 and 8 heads of 256) and the global layers' q and k (16 heads and 1 head of 512).
+
+    python benchmarks/norm_rope.py [--shapes 4096x16x256,4096x8x256,4096x16x512,4096x1x512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _bench import markdown_table, median_seconds_per_call, write_json  # noqa: E402
+
+from jax_mila import ffi  # noqa: E402
+from jax_mila.gemma4.config import RopeSpec  # noqa: E402
+from jax_mila.gemma4.rope import apply_rope, rope_tables  # noqa: E402
+from jax_mila.nn.norm import rms_norm  # noqa: E402
+
+HBM_BYTES_PER_S = 4.8e12
+EPS = 1e-6
+
+
+def _shapes(spec: str) -> list[tuple[int, int, int]]:
+    return [tuple(int(v) for v in s.split("x")) for s in spec.split(",") if s]
+
+
+def _inputs(t, h, d, n=3):
+    """``n`` fresh x [1, T, H, D] (several, so that L2 does not serve repeats) with one weight
+    and one pair of Gemma 4 tables."""
+    keys = jax.random.split(jax.random.key(0), n + 1)
+    w = (1 + 0.3 * jax.random.normal(keys[0], (d,), jnp.float32)).astype(jnp.bfloat16)
+    cos, sin = rope_tables(RopeSpec(theta=1e4, head_dim=d, rotated=d // 2),
+                           jnp.arange(t, dtype=jnp.int32), jnp.bfloat16)
+    return [(jax.random.normal(k, (1, t, h, d), jnp.bfloat16), w, cos, sin) for k in keys[1:]]
+
+
+def fused(x, w, cos, sin):
+    return ffi.rms_norm_rope(x, w, cos, sin, eps=EPS)
+
+
+def unfused(x, w, cos, sin):  # what Gemma4Attention computed before the op
+    return apply_rope(rms_norm(x, w, EPS), cos, sin)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="4096x16x256,4096x8x256,4096x16x512,4096x1x512",
+                        help="T x H x D of each case")
+    args = parser.parse_args()
+    print(f"device: {jax.devices()[0].device_kind}; kernel: {ffi.status('rms_norm_rope')}")
+    rows, records = [], []
+    for t, h, d in _shapes(args.shapes):
+        inputs = _inputs(t, h, d)
+        nbytes = 4 * t * h * d + 4 * t * d + 4 * d
+        result = {"T": t, "H": h, "D": d}
+        for name, op in (("jax_mila", fused), ("xla", unfused)):
+            s = median_seconds_per_call(op, inputs)
+            result[name] = {"us": s * 1e6, "TB/s": nbytes / s / 1e12}
+        records.append(result)
+        rows.append([f"{t}x{h}x{d}", f"{result['jax_mila']['us']:.1f}",
+                     f"{result['jax_mila']['TB/s']:.2f}",
+                     f"{100 * result['jax_mila']['TB/s'] * 1e12 / HBM_BYTES_PER_S:.0f}%",
+                     f"{result['xla']['us']:.1f}", f"{result['xla']['TB/s']:.2f}",
+                     f"{result['xla']['us'] / result['jax_mila']['us']:.2f}x"])
+        del inputs
+    write_json("norm_rope", records)
+    print("rms_norm_rope (fused) vs XLA's rms_norm then apply_rope; TB/s of the fused op's bytes "
+          "for both")
+    print(markdown_table(["T x H x D", "fused us", "fused TB/s", "of 4.8 TB/s", "XLA us",
+                          "XLA TB/s", "speed-up"], rows))
+
+
+if __name__ == "__main__":
+    main()
