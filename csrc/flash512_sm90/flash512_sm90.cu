@@ -78,14 +78,16 @@
 // arrival (its own producer's): 32 KB come from each CTA's copies, and bytes that land before
 // the expect_tx only drive the tx-count negative while the arrival is still pending.
 // k_empty / v_empty count 16: every consumer warp of the cluster arrives on both CTAs'
-// barriers (mapa + mbarrier.arrive.release.cluster), because either producer overwrites the
-// tile in both CTAs. No copy of tile i+1 can reach a CTA before that CTA's own full phase i
+// barriers (the other's through mapa), because either producer overwrites the tile in both
+// CTAs. Waits and arrivals keep the CTA scope (CUTLASS's cluster pipelines do the same; at
+// cluster scope ptxas adds a MEMBAR.ALL.GPU before every arrival and an L1 invalidation after
+// every wait, which held the W4A8 cluster kernel at ~55% of its speed). No copy of tile i+1 can reach a CTA before that CTA's own full phase i
 // completed (the other producer first waits for this CTA's consumers' releases of tile i).
 // Each CTA masks with its own rows' positions (a tile beyond its own causal or window range is
 // fully masked; a CTA past the last M tile, when the count is odd, computes on zero-filled Q
 // and writes nothing). barrier.cluster at the start (the other CTA's barriers initialised
 // before any multicast or remote arrival) and at the end (no CTA exits while the other may
-// still arrive on its barriers); the full barriers are waited with acquire.cluster.
+// still arrive on its barriers).
 //
 // Split softmax (kSplit, the default; JAX_MILA_FLASH512_SM90_SOFTMAX=shared for the scheme
 // above): after the S wgmmas consumer c finishes S only for its key half (keys 32c..32c+31),
@@ -266,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int cb = 0; cb < 8; ++cb)
             hx::tma_load_4d(dst + cb * kColBlockBytes, map, full, cb * 64, h, n0, b);
         } else {
-          if (i > 0) hx::mbar_wait_cluster(empty, (i - 1) & 1);
+          if (i > 0) hx::mbar_wait(empty, (i - 1) & 1);
           hx::mbar_arrive_expect_tx(full, kTileBytes);
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
@@ -300,29 +302,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int pr = m0 + 16 * wq + g + 8 * r;
     tq[r] = pr < rows_total ? pr / G : p.t - 1;
   }
-  // Empty-barrier arrivals: this CTA's and (kCluster 2) the other CTA's, as cluster addresses.
-  const uint32_t k_empty_own = kCluster == 1 ? bar_k_empty : hx::map_to_cta(bar_k_empty, rank);
+  // Empty-barrier arrivals: this CTA's, and (kCluster 2) the other CTA's as a cluster address.
+  // Both keep the CTA scope, as CUTLASS's cluster pipelines do (see the W4A8 kernel's
+  // kCluster notes): .release.cluster puts a MEMBAR.ALL.GPU before each arrival and
+  // .acquire.cluster an L1 invalidation after each wait.
   const uint32_t k_empty_peer = kCluster == 1 ? 0u : hx::map_to_cta(bar_k_empty, rank ^ 1u);
-  const uint32_t v_empty_own = kCluster == 1 ? bar_v_empty : hx::map_to_cta(bar_v_empty, rank);
   const uint32_t v_empty_peer = kCluster == 1 ? 0u : hx::map_to_cta(bar_v_empty, rank ^ 1u);
   auto release = [&](uint32_t own, uint32_t peer) {
     __syncwarp();  // every lane of this warp is done with the buffer
     if (lane == 0) {
-      if constexpr (kCluster == 1) {
-        hx::mbar_arrive(own);
-      } else {
-        hx::mbar_arrive_cluster(own);
-        hx::mbar_arrive_cluster(peer);
-      }
+      hx::mbar_arrive(own);
+      if constexpr (kCluster == 2) hx::mbar_arrive_remote(peer);
     }
   };
-  auto wait_full = [&](uint32_t bar, uint32_t parity) {
-    if constexpr (kCluster == 1) {
-      hx::mbar_wait(bar, parity);
-    } else {
-      hx::mbar_wait_cluster(bar, parity);
-    }
-  };
+  auto wait_full = [&](uint32_t bar, uint32_t parity) { hx::mbar_wait(bar, parity); };
   float4* red_mine = reinterpret_cast<float4*>(smem + kOffRed) + c * (8 * 128);
   const float4* red_other = reinterpret_cast<const float4*>(smem + kOffRed) + (1 - c) * (8 * 128);
 
@@ -403,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // registers nor touch O while the wgmmas run), and V's buffer is released.
       auto pv_retired = [&] {
         fence_pv_operands();
-        release(v_empty_own, v_empty_peer);
+        release(bar_v_empty, v_empty_peer);
       };
 
       // Accumulator element e holds row 16wq+g (+8 if bit 1 of e), key n0 + 8(e/4) + 2t4
@@ -554,7 +547,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           // each).
           if (tile.valid()) hx::named_barrier_arrive(2 + (1 - c), 256);
           // This warp is done with K_i (wgmmas retired) and with red[1-c] of tile i.
-          release(k_empty_own, k_empty_peer);
+          release(bar_k_empty, k_empty_peer);
 
           // ---- Online softmax on rows 16wq+g (+8), keys n0 + 8j + 2t4 + {0,1}.
 #pragma unroll
@@ -592,7 +585,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk) pack_p(kk, pa[kk]);
         } else {
-          release(k_empty_own, k_empty_peer);  // this warp's S wgmmas retired: done with K_i
+          release(bar_k_empty, k_empty_peer);  // this warp's S wgmmas retired: done with K_i
           split_softmax(kpos0, keys_left, alpha);
         }
 
