@@ -111,12 +111,22 @@ class ReferenceTest(parameterized.TestCase):
         other = reference.rms_norm_rope(x, w, cos, sin, eps=1e-6)
         self.assertIsNotNone(testing.norm_rope_problem(x, w, cos, sin, other, eps=1e-5))
 
-    def test_jit_gives_the_same_bits(self):
+    def test_jit_keeps_the_rounding_of_the_normed_values(self):
+        # Under jit XLA deletes f32 -> bf16 -> f32 convert pairs; the reference rounds n with
+        # reduce_precision so that jit cannot skip it. On CPU jit and op-by-op sum the squares
+        # in the same order, so their bits agree; XLA's GPU fusions may sum them in another
+        # order (a rare bf16 step of n, as the kernel's own order), so there both must be
+        # admissible results of the op.
         seed = fresh_seed()
         x, w, cos, sin = norm_rope_inputs((97, 8, 512), seed=seed)
         fn = functools.partial(reference.rms_norm_rope, eps=EPS)
-        np.testing.assert_array_equal(np.asarray(jax.jit(fn)(x, w, cos, sin), np.float32),
-                                      np.asarray(fn(x, w, cos, sin), np.float32))
+        jitted, eager = jax.jit(fn)(x, w, cos, sin), fn(x, w, cos, sin)
+        if jax.default_backend() == "cpu":
+            np.testing.assert_array_equal(np.asarray(jitted, np.float32),
+                                          np.asarray(eager, np.float32), err_msg=f"seed {seed}")
+        for name, out in (("jit", jitted), ("op by op", eager)):
+            problem = testing.norm_rope_problem(x, w, cos, sin, out, eps=EPS)
+            self.assertIsNone(problem, f"{name}, seed {seed}: {problem}")
 
     def test_one_rounding_fewer_than_the_unfused_layers(self):
         # The unfused model rounds x * cos, rotate_half(x) * sin and their sum to bf16; the op

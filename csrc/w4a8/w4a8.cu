@@ -8,6 +8,7 @@
 //   * the epilogue multiplies by 2^(channel_exp - 133) (exact) and x_scale[m], rounds to bf16
 //     once.
 #include <cmath>
+#include <cstdlib>  // getenv (HopperAutoVariant)
 #include <type_traits>
 
 #include "common/ptx.cuh"
@@ -441,6 +442,22 @@ cudaError_t Launch(Kernel kernel, int64_t tiles, int threads, int smem, const W4
 
 }  // namespace
 
+namespace {
+
+// Developer knob, read once per process: JAX_MILA_W4A8_CLUSTER=2 makes kAuto on Hopper run the
+// 2-CTA multicast instance (kWgmmaWsCluster), so that a model, which always asks for "auto",
+// can be measured with it end to end.
+W4A8Variant HopperAutoVariant() {
+  static const W4A8Variant v = [] {
+    const char* env = std::getenv("JAX_MILA_W4A8_CLUSTER");
+    return env != nullptr && std::atoi(env) == 2 ? W4A8Variant::kWgmmaWsCluster
+                                                 : W4A8Variant::kWgmmaWs;
+  }();
+  return v;
+}
+
+}  // namespace
+
 cudaError_t LaunchW4A8Matmul(const W4A8Args& args, W4A8Variant variant, int cc,
                              cudaStream_t stream) {
   if (cc < kW4A8MinComputeCapability) return cudaErrorNoKernelImageForDevice;
@@ -448,7 +465,7 @@ cudaError_t LaunchW4A8Matmul(const W4A8Args& args, W4A8Variant variant, int cc,
     // Hopper runs FP8 mma.sync at the fp16 rate; its native FP8 path is wgmma, fastest in the
     // warp-specialized kernel (docs/performance.md). (The Python wrapper sends kAuto only for
     // builds that hold the sm_90a code.)
-    variant = cc == 90 ? W4A8Variant::kWgmmaWs : W4A8Variant::kMmaSync;
+    variant = cc == 90 ? HopperAutoVariant() : W4A8Variant::kMmaSync;
   }
   if (variant == W4A8Variant::kWgmmaWs || variant == W4A8Variant::kWgmmaWsDp ||
       variant == W4A8Variant::kWgmmaWsCluster) {
