@@ -166,11 +166,13 @@ class W4A8ReferenceTest(parameterized.TestCase):
         with mock.patch.object(w4a8_module.jax, "devices", side_effect=RuntimeError("no cuda")):
             self.assertEqual(w4a8_module._workspace_bytes(0), flags + 132 * slot)
 
-    def test_auto_picks_wgmma_ws_only_on_sm90_with_sm90a_code(self):
+    @mock.patch.dict(os.environ, {"JAX_MILA_W4A8_CLUSTER": ""})
+    def test_auto_picks_wgmma_only_on_sm90_with_sm90a_code(self):
         # (build archs, GPUs) -> (auto_kernel(), the handler's variant for "auto"). Variant 0
-        # lets the handler pick wgmma_ws per 9.0 device; without sm_90a code it must be mma_sync (1).
-        cases = [("80-real,89-real,90a", ((9, 0),), "wgmma_ws", 0),
-                 ("90a-real", ((9, 0), (9, 0)), "wgmma_ws", 0),
+        # lets the handler pick wgmma_ws_cluster per 9.0 device; without sm_90a code it must be
+        # mma_sync (1).
+        cases = [("80-real,89-real,90a", ((9, 0),), "wgmma_ws_cluster", 0),
+                 ("90a-real", ((9, 0), (9, 0)), "wgmma_ws_cluster", 0),
                  ("80-real,89-real,90a", ((8, 9),), "mma_sync", 0),
                  ("80-real,89-real,90a", ((9, 0), (8, 9)), "mma_sync", 0),
                  ("80-real,89-real", ((9, 0),), "mma_sync", 1),
@@ -190,6 +192,20 @@ class W4A8ReferenceTest(parameterized.TestCase):
              mock.patch.object(w4a8_module, "cuda_capabilities", return_value=((9, 0),)):
             self.assertEqual(w4a8_module.auto_kernel(), "mma_sync")
             self.assertEqual(w4a8_module._variant("auto"), 1)
+
+    def test_cluster_knob_names_the_hopper_auto_kernel(self):
+        # The handler reads JAX_MILA_W4A8_CLUSTER once per process (exactly "1": wgmma_ws);
+        # auto_kernel() must name what it runs, so that the tests hold "auto" to its bounds.
+        hopper = dict(build_info=mock.Mock(return_value={"cuda_archs": "90a"}),
+                      cuda_capabilities=mock.Mock(return_value=((9, 0),)))
+        for value, kernel in (("1", "wgmma_ws"), ("2", "wgmma_ws_cluster"), ("", "wgmma_ws_cluster"),
+                              (" 1", "wgmma_ws_cluster"), (None, "wgmma_ws_cluster")):
+            env = {k: v for k, v in os.environ.items() if k != "JAX_MILA_W4A8_CLUSTER"}
+            if value is not None:
+                env["JAX_MILA_W4A8_CLUSTER"] = value
+            with self.subTest(value=value), mock.patch.dict(os.environ, env, clear=True), \
+                 mock.patch.multiple(w4a8_module, **hopper):
+                self.assertEqual(w4a8_module.auto_kernel(), kernel)
 
 
 KERNELS = ["auto", "mma_sync", "wgmma", "wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster"]

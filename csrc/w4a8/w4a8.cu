@@ -9,6 +9,7 @@
 //     once.
 #include <cmath>
 #include <cstdlib>  // getenv (HopperAutoVariant)
+#include <cstring>  // strcmp (HopperAutoVariant)
 #include <type_traits>
 
 #include "common/ptx.cuh"
@@ -440,18 +441,17 @@ cudaError_t Launch(Kernel kernel, int64_t tiles, int threads, int smem, const W4
   return cudaGetLastError();
 }
 
-}  // namespace
-
-namespace {
-
-// Developer knob, read once per process: JAX_MILA_W4A8_CLUSTER=2 makes kAuto on Hopper run the
-// 2-CTA multicast instance (kWgmmaWsCluster), so that a model, which always asks for "auto",
-// can be measured with it end to end.
+// Hopper's kAuto: the 2-CTA multicast instance (kWgmmaWsCluster). End to end it took 1.7-1.9% off
+// the 12B prefill's GEMM time at 32K and 64K (M = 4096 chunks, both run orders) and at M = 16384
+// it is 0-10% faster per shape (docs/performance.md, seventeenth round): the GEMMs run at the
+// board's power limit, where reading 24 instead of 40 KiB of L2 per K tile is energy saved.
+// Developer knob, read once per process: JAX_MILA_W4A8_CLUSTER=1 makes kAuto run the
+// single-CTA kWgmmaWs (jax_mila.ffi.w4a8.auto_kernel reads the same variable).
 W4A8Variant HopperAutoVariant() {
   static const W4A8Variant v = [] {
     const char* env = std::getenv("JAX_MILA_W4A8_CLUSTER");
-    return env != nullptr && std::atoi(env) == 2 ? W4A8Variant::kWgmmaWsCluster
-                                                 : W4A8Variant::kWgmmaWs;
+    return env != nullptr && std::strcmp(env, "1") == 0 ? W4A8Variant::kWgmmaWs
+                                                        : W4A8Variant::kWgmmaWsCluster;
   }();
   return v;
 }
@@ -463,8 +463,8 @@ cudaError_t LaunchW4A8Matmul(const W4A8Args& args, W4A8Variant variant, int cc,
   if (cc < kW4A8MinComputeCapability) return cudaErrorNoKernelImageForDevice;
   if (variant == W4A8Variant::kAuto) {
     // Hopper runs FP8 mma.sync at the fp16 rate; its native FP8 path is wgmma, fastest in the
-    // warp-specialized kernel (docs/performance.md). (The Python wrapper sends kAuto only for
-    // builds that hold the sm_90a code.)
+    // warp-specialized kernel on 2-CTA clusters (docs/performance.md). (The Python wrapper
+    // sends kAuto only for builds that hold the sm_90a code.)
     variant = cc == 90 ? HopperAutoVariant() : W4A8Variant::kMmaSync;
   }
   if (variant == W4A8Variant::kWgmmaWs || variant == W4A8Variant::kWgmmaWsDp ||

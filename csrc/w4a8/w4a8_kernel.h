@@ -49,7 +49,8 @@ struct W4A8Args {
   int k;
 };
 
-// Which kernel runs: kAuto picks wgmma_ws on compute capability 9.0, mma.sync otherwise.
+// Which kernel runs: kAuto picks wgmma_ws_cluster on compute capability 9.0 (wgmma_ws with
+// JAX_MILA_W4A8_CLUSTER=1), mma.sync otherwise.
 // kWgmmaWs: the warp-specialized sm_90a kernel (TMA producer, persistent, stream-K for the tiles
 // of the last wave; w4a8_sm90_ws.cu); kWgmmaWsDp: the same kernel on whole tiles only (the
 // data-parallel schedule, for comparison); kWgmmaWsCluster: the same kernel on 2-CTA clusters

@@ -20,10 +20,11 @@ fixed order, by the piece that holds k = 0; the scratch for them is a second res
 call, one 128 KiB slot per SM; csrc/w4a8/w4a8_sm90_ws.cu). "wgmma_ws_dp" is wgmma_ws on whole
 tiles only (its schedule before stream-K, kept for comparison). "wgmma_ws_cluster" is wgmma_ws
 on clusters of two CTAs that compute adjacent weight tiles of one activation tile and share it
-through TMA multicast (each CTA reads 24 KiB per K tile from L2 instead of 40; opt-in, faster
-only on the largest GEMMs: docs/performance.md, sixteenth round). "auto" (default) runs
-wgmma_ws on compute capability 9.0 when this build has sm_90a code (JAX_MILA_CUDA_ARCHS includes
-90a, the default), mma_sync otherwise; ``auto_kernel()`` says which one for this process
+through TMA multicast (each CTA reads 24 KiB per K tile from L2 instead of 40: at the board's
+power limit that is energy saved; docs/performance.md, sixteenth and seventeenth rounds).
+"auto" (default) runs wgmma_ws_cluster on compute capability 9.0 when this build has sm_90a code
+(JAX_MILA_CUDA_ARCHS includes 90a, the default), mma_sync otherwise; JAX_MILA_W4A8_CLUSTER=1
+(read once per process) makes it wgmma_ws; ``auto_kernel()`` says which one for this process
 (AUTO_WGMMA_ON_SM90 = False turns the wgmma choice off). Hopper's FP8 wgmma accumulates at
 reduced precision (~14 bits, truncated); both wgmma kernels therefore sum every K chunk (128
 long in wgmma, 256 in wgmma_ws) in a fresh accumulator and add it into float32 registers
@@ -48,12 +49,14 @@ Status (H200, 2026-12-01): every kernel passes tests/test_w4a8.py's GPU class (o
 poisoned outputs, exponent-floor exactness, stream-K splits; K=15360 relative error 6.0e-8 for
 mma_sync, 5.6e-5 for wgmma, under 4e-4 for wgmma_ws, float32 out); at M=16384 wgmma_ws runs
 1,160-1,349 TFLOP/s on the 12B's qkv, down and gate+up (wgmma: 837-912; docs/performance.md),
-hence "auto". JAX_MILA_DISABLE=w4a8_matmul routes to the reference.
+and wgmma_ws_cluster 0-10% more at M=16384 and 1.7-1.9% less GEMM time end to end, hence
+"auto". JAX_MILA_DISABLE=w4a8_matmul routes to the reference.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -87,18 +90,25 @@ def _wgmma_built() -> bool:
     return any(a.strip().split("-")[0] == "90a" for a in archs.split(","))
 
 
+def _hopper_auto_kernel() -> str:
+    """What the handler runs for "auto" on a 9.0 device (csrc/w4a8/w4a8.cu, HopperAutoVariant,
+    which reads the same variable once per process)."""
+    return "wgmma_ws" if os.environ.get("JAX_MILA_W4A8_CLUSTER") == "1" else "wgmma_ws_cluster"
+
+
 def auto_kernel() -> str:
-    """The kernel that kernel="auto" runs in this process: "wgmma_ws" when every GPU is compute
-    capability 9.0 and the build has sm_90a code, "mma_sync" otherwise (with several GPU
-    kinds the handler picks per device)."""
+    """The kernel that kernel="auto" runs in this process: "wgmma_ws_cluster" ("wgmma_ws" with
+    JAX_MILA_W4A8_CLUSTER=1) when every GPU is compute capability 9.0 and the build has sm_90a
+    code, "mma_sync" otherwise (with several GPU kinds the handler picks per device)."""
     caps = cuda_capabilities()
     hopper = bool(caps) and all(c == (9, 0) for c in caps)
-    return "wgmma_ws" if AUTO_WGMMA_ON_SM90 and hopper and _wgmma_built() else "mma_sync"
+    return _hopper_auto_kernel() if AUTO_WGMMA_ON_SM90 and hopper and _wgmma_built() else "mma_sync"
 
 
 def _variant(kernel: str) -> int:
-    # "auto" reaches the handler as "auto" (it picks wgmma_ws on a 9.0 device) only when the build
-    # has the sm_90a wgmma code: without it a 9.0 device would run a PTX-JIT kernel that traps.
+    # "auto" reaches the handler as "auto" (it picks wgmma_ws_cluster on a 9.0 device) only when
+    # the build has the sm_90a wgmma code: without it a 9.0 device would run a PTX-JIT kernel
+    # that traps.
     if kernel == "auto" and not (AUTO_WGMMA_ON_SM90 and _wgmma_built()):
         return KERNELS["mma_sync"]
     return KERNELS[kernel]
