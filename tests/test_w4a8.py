@@ -198,8 +198,9 @@ class W4A8ReferenceTest(parameterized.TestCase):
         # auto_kernel() must name what it runs, so that the tests hold "auto" to its bounds.
         hopper = dict(build_info=mock.Mock(return_value={"cuda_archs": "90a"}),
                       cuda_capabilities=mock.Mock(return_value=((9, 0),)))
-        for value, kernel in (("1", "wgmma_ws"), ("2", "wgmma_ws_cluster"), ("", "wgmma_ws_cluster"),
-                              (" 1", "wgmma_ws_cluster"), (None, "wgmma_ws_cluster")):
+        cases = (("1", "wgmma_ws"), ("2", "wgmma_ws_cluster"), ("", "wgmma_ws_cluster"),
+                 (" 1", "wgmma_ws_cluster"), (None, "wgmma_ws_cluster"))
+        for value, kernel in cases:
             env = {k: v for k, v in os.environ.items() if k != "JAX_MILA_W4A8_CLUSTER"}
             if value is not None:
                 env["JAX_MILA_W4A8_CLUSTER"] = value

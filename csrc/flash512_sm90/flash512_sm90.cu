@@ -81,8 +81,9 @@
 // barriers (the other's through mapa), because either producer overwrites the tile in both
 // CTAs. Waits and arrivals keep the CTA scope (CUTLASS's cluster pipelines do the same; at
 // cluster scope ptxas adds a MEMBAR.ALL.GPU before every arrival and an L1 invalidation after
-// every wait, which held the W4A8 cluster kernel at ~55% of its speed). No copy of tile i+1 can reach a CTA before that CTA's own full phase i
-// completed (the other producer first waits for this CTA's consumers' releases of tile i).
+// every wait, which held the W4A8 cluster kernel at ~55% of its speed). No copy of tile i+1
+// can reach a CTA before that CTA's own full phase i completed (the other producer first waits
+// for this CTA's consumers' releases of tile i).
 // Each CTA masks with its own rows' positions (a tile beyond its own causal or window range is
 // fully masked; a CTA past the last M tile, when the count is odd, computes on zero-filled Q
 // and writes nothing). barrier.cluster at the start (the other CTA's barriers initialised
@@ -655,8 +656,9 @@ bool EncodeMap(tma::EncodeTiledFn encode, CUtensorMap* map, const void* ptr, uin
 
 // Developer knob, read once per process: JAX_MILA_FLASH512_SM90_CLUSTER=2 runs the 2-CTA
 // cluster variant (adjacent M tiles share every K/V tile through TMA multicast: half the
-// L2->SM traffic). Default 1: on the H200 the pair's lock-step per tile cost more than the
-// traffic saved (325 vs 474 TFLOP/s at S=16K, docs/performance.md).
+// L2->SM traffic). Default 1: the kernel is bound by shared-memory bandwidth, which multicast
+// does not reduce, and the pair's lock-step per tile costs more than the L2 traffic saved
+// (457 vs 513 TFLOP/s at S=16K, 460 vs 485 at 32K; docs/performance.md, seventeenth round).
 int ClusterSize() {
   static const int v = [] {
     const char* env = std::getenv("JAX_MILA_FLASH512_SM90_CLUSTER");
