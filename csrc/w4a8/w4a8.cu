@@ -442,8 +442,8 @@ cudaError_t Launch(Kernel kernel, int64_t tiles, int threads, int smem, const W4
 }
 
 // Hopper's kAuto: the 2-CTA multicast instance (kWgmmaWsCluster). End to end it took 1.7-1.9% off
-// the 12B prefill's GEMM time at 32K and 64K (M = 4096 chunks, both run orders) and at M = 16384
-// it is 0-10% faster per shape (docs/performance.md, seventeenth round): the GEMMs run at the
+// the 12B prefill's GEMM time at 32K and 64K (M = 4096 chunks, both run orders); at M = 16384
+// it is -0.3% to +9.5% per shape (docs/performance.md, seventeenth round): the GEMMs run at the
 // board's power limit, where reading 24 instead of 40 KiB of L2 per K tile is energy saved.
 // Developer knob, read once per process: JAX_MILA_W4A8_CLUSTER=1 makes kAuto run the
 // single-CTA kWgmmaWs (jax_mila.ffi.w4a8.auto_kernel reads the same variable).

@@ -49,8 +49,8 @@ Status (H200, 2026-12-01): every kernel passes tests/test_w4a8.py's GPU class (o
 poisoned outputs, exponent-floor exactness, stream-K splits; K=15360 relative error 6.0e-8 for
 mma_sync, 5.6e-5 for wgmma, under 4e-4 for wgmma_ws, float32 out); at M=16384 wgmma_ws runs
 1,160-1,349 TFLOP/s on the 12B's qkv, down and gate+up (wgmma: 837-912; docs/performance.md),
-and wgmma_ws_cluster 0-10% more at M=16384 and 1.7-1.9% less GEMM time end to end, hence
-"auto". JAX_MILA_DISABLE=w4a8_matmul routes to the reference.
+and wgmma_ws_cluster -0.3% to +9.5% more per shape at M=16384 and 1.7-1.9% less GEMM time end
+to end, hence "auto". JAX_MILA_DISABLE=w4a8_matmul routes to the reference.
 """
 
 from __future__ import annotations
