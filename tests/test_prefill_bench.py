@@ -231,11 +231,30 @@ class TraceTest(absltest.TestCase):
         self.assertEqual([n for n, _ in gpu["gaps"].values()], [1, 0, 1, 0, 1])
         self.assertAlmostEqual(gpu["gaps"][">1ms"][1], 2.0)
         # The kernel before a gap is the one that ended last (b, not the longer-started a).
-        self.assertEqual(gpu["top_gaps"][0][1:], ["d", "e"])
-        self.assertEqual(gpu["top_gaps"][2][1:], ["b", "c"])
+        self.assertEqual(gpu["top_gaps"][0][1:3], ["d", "e"])
+        self.assertEqual(gpu["top_gaps"][2][1:3], ["b", "c"])
+        # What the host did meanwhile: the host span covers every gap whole.
+        self.assertEqual([[n, round(ms, 6)] for n, ms in gpu["top_gaps"][0][3]], [["host", 2.0]])
+        self.assertEqual([[n, round(ms, 6)] for n, ms in gpu["top_gaps"][1][3]], [["host", 0.05]])
         # Gaps of 20 us or more, by the kernel they end at (the 3 us one is left out).
         self.assertEqual([g[:2] for g in gpu["idle_before"]], [["e", 1], ["d", 1]])
         self.assertAlmostEqual(gpu["idle_before"][0][2], 2.0)
+
+    def test_host_events_during_a_gap(self):
+        # A 2 ms device gap (100 -> 2100 us): the dispatch that covers it whole, the launch
+        # nested in it, a span that only begins inside it (partial overlap), one after it and
+        # the device's own derived line (not host work) are told apart.
+        threads = {(1, 7): "Stream #7(Compute)", (1, 8): "XLA Ops", (2, 1): "python3",
+                   (2, 2): "tf_XLAEigen"}
+        events = [(1, 7, "a", 100), (1, 7, "b", 10), (1, 8, "custom-call", 3000),
+                  (2, 1, "PjitFunction(step)", 2500), (2, 2, "ExecuteOnStream", 800),
+                  (2, 1, "flatten", 1000), (2, 1, "later", 500)]
+        starts = [0, 2100, 0, 0, 1000, 1600, 2200]
+        gap = trace.timeline(_trace(events, threads, starts))["/device:GPU:0"]["top_gaps"][0]
+        self.assertAlmostEqual(gap[0], 2.0)
+        self.assertEqual([n for n, _ in gap[3]], ["PjitFunction(step)", "ExecuteOnStream",
+                                                   "flatten"])
+        self.assertEqual([round(ms, 6) for _, ms in gap[3]], [2.0, 0.8, 0.5])
 
     def test_no_device_events(self):
         with tempfile.TemporaryDirectory() as d:

@@ -533,8 +533,11 @@ def report(rows: list[dict], backends: list[str], seqs: list[int]) -> str:
                 idle.append([b, s, gpu, f"{t['span_ms']:.1f}", f"{t['busy_ms']:.1f}",
                              f"{t['idle_ms']:.1f}"] +
                             [f"{n} / {ms:.1f}" for n, ms in t["gaps"].values()])
-                longest += [f"{b} {s} GPU{gpu}: {ms:.2f} ms after {before[:60]} before {after[:60]}"
-                            for ms, before, after in t["top_gaps"][:3]]
+                for ms, before, after, *host in t["top_gaps"][:3]:
+                    longest.append(f"{b} {s} GPU{gpu}: {ms:.2f} ms after {before[:60]} before "
+                                   f"{after[:60]}")
+                    longest += [f"    host: {name[:80]} {hms:.2f} ms"
+                                for name, hms in (host[0] if host else [])]
                 longest += [f"{b} {s} GPU{gpu}: {count} gaps >= 20 us, {ms:.1f} ms in all, "
                             f"before {name[:60]}" for name, count, ms in t.get("idle_before", [])[:5]]
     if idle:

@@ -97,13 +97,41 @@ def split_by_op(trace_path: str) -> dict | None:
 GAP_CLASSES = (("<5us", 5.0), ("5-20us", 20.0), ("20-100us", 100.0), ("0.1-1ms", 1e3),
                (">1ms", float("inf")))
 TOP_GAPS = 8
+TOP_HOST = 5  # host events named per long gap
+
+
+def host_events(trace: dict):
+    """(name, start in us, end in us) of every complete event outside the device processes:
+    the host's TraceMe spans (jit dispatch, XLA's executable launch, Python annotations)."""
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    devices = {e.get("pid") for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name"
+               and str(e.get("args", {}).get("name", "")).startswith("/device:")}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") not in devices:
+            ts = float(e.get("ts", 0.0))
+            yield str(e.get("name", "")), ts, ts + float(e.get("dur", 0.0))
+
+
+def host_during(spans, start: float, end: float, top: int = TOP_HOST) -> list[list]:
+    """[name, ms] of the host events (from :func:`host_events`) that overlap [start, end) us,
+    by name, the most overlap first: what the host was doing while a device sat idle. Nested
+    spans are all listed (a dispatch and the launch inside it), so the names read as a call
+    chain, outermost (longest) first when they cover the whole gap."""
+    overlap = {}
+    for name, s, e in spans:
+        o = min(e, end) - max(s, start)
+        if o > 0:
+            overlap[name] = overlap.get(name, 0.0) + o
+    return [[n, ms / 1e3] for n, ms in sorted(overlap.items(), key=lambda x: -x[1])[:top]]
 
 
 def timeline(trace: dict) -> dict:
     """Per device: how busy its streams were between the first kernel's start and the last
     one's end. {device: {"span_ms", "busy_ms" (union of kernel intervals: overlapping streams
     count once), "idle_ms" (span - busy), "gaps" ({class: [count, ms]} over GAP_CLASSES),
-    "top_gaps" ([ms, kernel before, kernel after] of the longest TOP_GAPS), "idle_before"
+    "top_gaps" ([ms, kernel before, kernel after, host] of the longest TOP_GAPS, host being
+    :func:`host_during` the gap: what the device waited for), "idle_before"
     ([kernel, count, ms] of the kernels that gaps of 20 us or more end at, most idle time
     first: what the device most often waits to start)}}. The idle time is
     what the kernel sums of split_by_op leave out of a wall-clock measurement: launch latency,
@@ -123,17 +151,19 @@ def timeline(trace: dict) -> dict:
                 label = next(lbl for lbl, bound in GAP_CLASSES if idle < bound)
                 gaps[label][0] += 1
                 gaps[label][1] += idle / 1e3
-                top.append((idle / 1e3, last, name))
+                top.append((idle / 1e3, last, name, end, start))
                 if idle >= 20.0:
                     count, ms = before.get(name, (0, 0.0))
                     before[name] = (count + 1, ms + idle / 1e3)
             busy += max(0.0, stop - max(start, end))
             if stop > end:
                 end, last = stop, name
-        top.sort(key=lambda g: -g[0])
+        top = sorted(top, key=lambda g: -g[0])[:TOP_GAPS]
+        host = list(host_events(trace)) if top else []
         out[device] = {"span_ms": (end - spans[0][0]) / 1e3, "busy_ms": busy / 1e3,
                        "idle_ms": (end - spans[0][0] - busy) / 1e3, "gaps": gaps,
-                       "top_gaps": [list(g) for g in top[:TOP_GAPS]],
+                       "top_gaps": [[ms, before, after, host_during(host, g0, g1)]
+                                    for ms, before, after, g0, g1 in top],
                        "idle_before": [[n, c, ms] for n, (c, ms) in
                                        sorted(before.items(), key=lambda x: -x[1][1])[:TOP_GAPS]]}
     return out
