@@ -280,8 +280,10 @@ def main() -> None:
     paths = [f"w4a8_{k}" for k in kernels] + anchors
     labels = {**{f"w4a8_{k}": f"w4a8 {k}" for k in kernels}, **ANCHOR_LABELS}
     fp8_anchors = [a for a in ("xla_fp8_scaled", "xla_fp8_f32acc") if a in anchors]
+    # The ratios are the first kernel's (--kernels order): the header names it.
+    ratio_of = labels[paths[0]] if kernels else "w4a8"
     header = (["GEMM", "N x K", "M"] + [labels[p] for p in paths]
-              + [f"w4a8 / {labels[a]}" for a in fp8_anchors] + ["weight bits/value"])
+              + [f"{ratio_of} / {labels[a]}" for a in fp8_anchors] + ["weight bits/value"])
     detail_header = ["GEMM", "M", "path", "TFLOP/s", "SM MHz", "board W",
                      f"rel. error, f32 out, {ACCURACY_ROWS} rows"]
     rows, detail_rows, records = [], [], []
