@@ -57,19 +57,24 @@ def kernel_events(trace: dict):
         yield device, name, dur
 
 
+def _events(trace) -> list:
+    return trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+
+
+def _device_processes(events) -> dict:
+    """{pid: process name} of the device processes ("/device:GPU:0", ...)."""
+    return {e.get("pid"): str(e.get("args", {}).get("name", "")) for e in events
+            if e.get("ph") == "M" and e.get("name") == "process_name"
+            and str(e.get("args", {}).get("name", "")).startswith("/device:")}
+
+
 def kernel_intervals(trace: dict):
     """(device, name, start in us, duration in us) of every kernel / copy on a device stream
     of a parsed trace; device is the process name ("/device:GPU:0")."""
-    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-    devices, threads = {}, {}
-    for e in events:
-        if e.get("ph") != "M":
-            continue
-        process = str(e.get("args", {}).get("name", ""))
-        if e.get("name") == "process_name" and process.startswith("/device:"):
-            devices[e.get("pid")] = process
-        elif e.get("name") == "thread_name":
-            threads[(e.get("pid"), e.get("tid"))] = str(e.get("args", {}).get("name", ""))
+    events = _events(trace)
+    devices = _device_processes(events)
+    threads = {(e.get("pid"), e.get("tid")): str(e.get("args", {}).get("name", ""))
+               for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
     streams = {k for k, n in threads.items() if k[0] in devices and n.startswith("Stream")}
     if not streams:  # no stream lines: every device thread that is not a derived (HLO) line
         streams = {k for k, n in threads.items() if k[0] in devices and not _SKIP_THREADS.search(n)}
@@ -103,10 +108,8 @@ TOP_HOST = 5  # host events named per long gap
 def host_events(trace: dict):
     """(name, start in us, end in us) of every complete event outside the device processes:
     the host's TraceMe spans (jit dispatch, XLA's executable launch, Python annotations)."""
-    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-    devices = {e.get("pid") for e in events
-               if e.get("ph") == "M" and e.get("name") == "process_name"
-               and str(e.get("args", {}).get("name", "")).startswith("/device:")}
+    events = _events(trace)
+    devices = _device_processes(events)
     for e in events:
         if e.get("ph") == "X" and e.get("pid") not in devices:
             ts = float(e.get("ts", 0.0))
