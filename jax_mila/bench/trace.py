@@ -142,7 +142,7 @@ def timeline(trace: dict) -> dict:
     per_device = {}
     for device, name, ts, dur in kernel_intervals(trace):
         per_device.setdefault(device, []).append((ts, ts + dur, name))
-    out = {}
+    out, host = {}, None
     for device, spans in sorted(per_device.items()):
         spans.sort()
         gaps = {label: [0, 0.0] for label, _ in GAP_CLASSES}
@@ -162,7 +162,8 @@ def timeline(trace: dict) -> dict:
             if stop > end:
                 end, last = stop, name
         top = sorted(top, key=lambda g: -g[0])[:TOP_GAPS]
-        host = list(host_events(trace)) if top else []
+        if host is None and top:
+            host = list(host_events(trace))  # once for all devices: a trace holds many
         out[device] = {"span_ms": (end - spans[0][0]) / 1e3, "busy_ms": busy / 1e3,
                        "idle_ms": (end - spans[0][0] - busy) / 1e3, "gaps": gaps,
                        "top_gaps": [[ms, before, after, host_during(host, g0, g1)]
