@@ -113,30 +113,6 @@ __device__ __forceinline__ uint32_t map_to_cta(uint32_t addr, uint32_t rank) {
 #endif
   return r;
 }
-// Arrival on a barrier of any CTA of the cluster (`cluster_addr` from map_to_cta), with
-// release at cluster scope: this thread's earlier shared-memory reads are ordered before it.
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_addr) {
-#ifdef MILA_HAS_SM90A
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr)
-               : "memory");
-#endif
-}
-// mbar_wait with acquire at cluster scope (the phase was completed by arrivals from the
-// other CTA too).
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-#ifdef MILA_HAS_SM90A
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-#endif
-}
 // All threads of every CTA of the cluster (not .aligned: callers may arrive diverged).
 __device__ __forceinline__ void cluster_sync() {
 #ifdef MILA_HAS_SM90A
@@ -174,8 +150,10 @@ __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const void* 
 // Arrival on a barrier of another CTA of the cluster (`cluster_addr` from map_to_cta) with the
 // default .release.cta semantics, as CUTLASS's ClusterBarrier::arrive(cta_id): for a consumer
 // that releases a stage the other CTA's producer will overwrite, its reads have returned before
-// it arrives, which is all that producer needs. (mbar_arrive_cluster's .release.cluster puts a
-// MEMBAR.ALL.GPU before the arrival; the W4A8 cluster kernel ran at ~55% of its speed with it.)
+// it arrives, which is all that producer needs. Waits stay mbar_wait (CTA scope) too: the bytes
+// a full barrier counts, multicast included, are visible once its phase completes. (At cluster
+// scope ptxas puts a MEMBAR.ALL.GPU before each arrival and a CCTL.IVALL after each wait; the
+// W4A8 cluster kernel ran at ~55% of its speed with them, and those wrappers were removed.)
 __device__ __forceinline__ void mbar_arrive_remote(uint32_t cluster_addr) {
 #ifdef MILA_HAS_SM90A
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");

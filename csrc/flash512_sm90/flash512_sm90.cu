@@ -316,7 +316,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kCluster == 2) hx::mbar_arrive_remote(peer);
     }
   };
-  auto wait_full = [&](uint32_t bar, uint32_t parity) { hx::mbar_wait(bar, parity); };
   float4* red_mine = reinterpret_cast<float4*>(smem + kOffRed) + c * (8 * 128);
   const float4* red_other = reinterpret_cast<const float4*>(smem + kOffRed) + (1 - c) * (8 * 128);
 
@@ -348,7 +347,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // ---- S_c = Q[:, D half c] K[:, D half c]^T (64 x 64, fp32) of the tile in the K buffer
       // (k_full parity `parity`): issued and committed; the caller waits.
       auto issue_s = [&](uint32_t parity) {
-        wait_full(bar_k_full, parity);
+        hx::mbar_wait(bar_k_full, parity);
         // Opaque copies of the bases, so that the 32 descriptors below are computed per tile:
         // loop-invariant, they may be hoisted out of the tile loop and hold 64 registers across
         // it (the overlapped variant of this loop spilled 208 bytes from exactly that).
@@ -380,7 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       };
       // The caller has rescaled O by the tile's alpha (rescale_o).
       auto issue_pv = [&](uint32_t parity) {
-        wait_full(bar_v_full, parity);
+        hx::mbar_wait(bar_v_full, parity);
         // The rescaled O and the P fragments are written before the fence that orders these
         // register writes ahead of the wgmmas (the compiler may not sink them past it).
         fence_pv_operands();
