@@ -1,4 +1,5 @@
-"""Timing helpers shared by the benchmarks: medians of device time after warm-up."""
+"""Timing helpers shared by the benchmarks: medians after warm-up, of wall time, or for short
+ops of device time (kernel durations from a jax.profiler trace, host gaps excluded)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 
 import jax
+
+from jax_mila.bench import trace as trace_lib
 
 
 def median_seconds(fn, *args, warmup: int = 3, reps: int = 10) -> float:
@@ -25,21 +30,99 @@ def median_seconds(fn, *args, warmup: int = 3, reps: int = 10) -> float:
     return statistics.median(times)
 
 
-def median_seconds_per_call(op, inputs, *, calls: int = 20, warmup: int = 2, reps: int = 7):
-    """For short ops: each timed run dispatches `op` `calls` times back to back, rotating over
-    `inputs` (several buffers so L2 does not serve repeats), and synchronises once; returns the
-    median time per call. Separate dispatches, not one jitted program with many calls: XLA's
-    CSE merges identical calls inside one program (it did, and inflated a first measurement)."""
-    fn = jax.jit(op)
+def _warm_up(fn, inputs, warmup: int) -> None:
     for i in range(warmup):
         jax.block_until_ready(fn(*inputs[i % len(inputs)]))
+
+
+def _dispatch(fn, inputs, calls: int) -> None:
+    """`calls` calls of `fn` back to back, rotating over `inputs` (several buffers so L2 does
+    not serve repeats), synchronised once at the end."""
+    jax.block_until_ready([fn(*inputs[i % len(inputs)]) for i in range(calls)])
+
+
+def median_seconds_per_call(op, inputs, *, calls: int = 20, warmup: int = 2, reps: int = 7):
+    """For short ops: the median wall time per call over `reps` runs of `_dispatch`. Separate
+    dispatches, not one jitted program with many calls: XLA's CSE merges identical calls inside
+    one program (it did, and inflated a first measurement). Bound by JAX's per-call dispatch
+    cost (tens of us on the H200) when the kernels are shorter than that: see
+    median_device_seconds_per_call."""
+    fn = jax.jit(op)
+    _warm_up(fn, inputs, warmup)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        outs = [fn(*inputs[i % len(inputs)]) for i in range(calls)]
-        jax.block_until_ready(outs)
+        _dispatch(fn, inputs, calls)
         times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
+
+
+# Host idle time before each profiled rep: the device is idle too, so the reps' kernels lie
+# apart, and a quarter of it is the slack that absorbs host/GPU clock offsets in the trace.
+REP_GAP_S = 1e-3
+_REP_NAME = "median_device_seconds_per_call rep {}"
+
+
+def median_device_seconds_per_call(op, inputs, *, calls: int = 20, warmup: int = 2,
+                                   reps: int = 5) -> float | None:
+    """For short ops: device busy time per call, the median over `reps` runs of `_dispatch` of
+    (sum of the kernel durations on the device streams during the run) / calls, from one
+    jax.profiler trace. Unlike median_seconds_per_call, host dispatch gaps are not in it. The
+    kernels are summed, not their union, so streams that overlap would count twice (the ops
+    timed here run one stream). None when the trace holds no device kernels (a CPU run) or
+    the profiler failed: callers fall back to the wall time."""
+    fn = jax.jit(op)
+    _warm_up(fn, inputs, warmup)  # outside the trace: compiling and autotuning stay out of it
+    names = [_REP_NAME.format(r) for r in range(reps)]
+    trace = _profiled_reps(fn, inputs, calls, names)
+    if trace is None:
+        return None
+    per_rep = trace_lib.device_seconds_in_windows(
+        trace, trace_lib.host_windows(trace, names), slack_us=REP_GAP_S * 1e6 / 4)
+    if per_rep is None:
+        return None
+    # A zero median: most windows caught no kernel, which a run on a device cannot do (the
+    # clocks disagree); no number beats an infinite bandwidth.
+    median = statistics.median(per_rep)
+    return median / calls if median > 0 else None
+
+
+def _profiled_reps(fn, inputs, calls: int, names) -> dict | None:
+    """The parsed trace of one `_dispatch` run per name, each inside a TraceAnnotation of that
+    name. One trace for all reps, not one per rep: starting and stopping the profiler costs
+    far more than the runs, and the annotation windows attribute kernels exactly enough, as
+    each run synchronises before its annotation closes, so its kernels start after the window
+    opens and end before it closes. None if the profiler failed or wrote no trace."""
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                for name in names:
+                    time.sleep(REP_GAP_S)
+                    with jax.profiler.TraceAnnotation(name):
+                        _dispatch(fn, inputs, calls)
+        except Exception as e:  # noqa: BLE001 -- the profiler is optional: wall time remains
+            print(f"device time: jax.profiler failed ({type(e).__name__}: {str(e)[:200]})",
+                  file=sys.stderr)
+            return None
+        path = trace_lib.find_trace(d)
+        return None if path is None else trace_lib.load(path)
+
+
+def time_per_call(op, inputs) -> dict:
+    """{"device_us": device busy time per call (None without device kernels), "wall_us":
+    wall time per call (dispatch-bound for short ops)} of `op` on `inputs`."""
+    device = median_device_seconds_per_call(op, inputs)
+    return {"device_us": None if device is None else device * 1e6,
+            "wall_us": median_seconds_per_call(op, inputs) * 1e6}
+
+
+def tb_per_s(nbytes: int, us: float | None) -> float | None:
+    return None if us is None else nbytes / us / 1e6
+
+
+def cell(value: float | None, spec: str = ".1f", suffix: str = "") -> str:
+    """A table cell: the value formatted, or "-" for None (no device time on a CPU run)."""
+    return "-" if value is None else format(value, spec) + suffix
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:

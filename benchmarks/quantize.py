@@ -16,6 +16,12 @@ columns counting the fused op's bytes:
 The unfused pairs move at least 2*M*K more each (the normed rows written and read back), and
 more where XLA reads a row once for its sum of squares and again to normalize it.
 
+Times are device time per call (the kernels' durations in a jax.profiler trace, host gaps
+excluded), and TB/s comes from them: the smaller shapes take less than JAX's per-call dispatch
+on the H200, so wall time per call had a floor of about 20 us (seen at 4096 rows) that was
+dispatch, not the kernels. The wall times stay in the tables, labelled dispatch-bound, to show
+the difference. On a CPU the trace holds no device kernels: the device columns print "-".
+
     python benchmarks/quantize.py [--shapes 16384x15360,16384x3840] [--geglu-shapes 4096x15360]
                                   [--norm-shapes 4096x3840,16384x3840]
 """
@@ -30,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _bench import markdown_table, median_seconds_per_call, write_json  # noqa: E402
+from _bench import cell, markdown_table, tb_per_s, time_per_call, write_json  # noqa: E402
 
 from jax_mila import ffi, reference  # noqa: E402
 from jax_mila.gemma4.mlp import gelu_tanh  # noqa: E402
@@ -72,8 +78,9 @@ def _norm_candidates(k):
 
 
 def _timed_rows(shapes, n_inputs, candidates, nbytes_of):
-    """One row per shape: median time and TB/s of each (name, op) on `n_inputs` fresh bf16
-    [M, K] arrays per call, all candidates in the same run."""
+    """One row per shape: device time and TB/s of each (name, op) on `n_inputs` fresh bf16
+    [M, K] arrays per call, then their dispatch-bound wall times; all candidates in the same
+    run."""
     rows, records = [], []
     for m, k in shapes:
         keys = jax.random.split(jax.random.key(0), 3 * n_inputs)
@@ -82,15 +89,23 @@ def _timed_rows(shapes, n_inputs, candidates, nbytes_of):
         nbytes = nbytes_of(m, k)
         result = {"M": m, "K": k}
         for name, op in candidates:
-            t = median_seconds_per_call(op, inputs)
-            result[name] = {"us": t * 1e6, "TB/s": nbytes / t / 1e12}
-        first, second = (name for name, _ in candidates)
-        rows.append([f"{m}x{k}", f"{result[first]['us']:.1f}", f"{result[first]['TB/s']:.2f}",
-                     f"{100 * result[first]['TB/s'] * 1e12 / HBM_BYTES_PER_S:.0f}%",
-                     f"{result[second]['us']:.1f}", f"{result[second]['TB/s']:.2f}"])
+            timing = time_per_call(op, inputs)
+            result[name] = {**timing, "TB/s": tb_per_s(nbytes, timing["device_us"])}
+        first, second = (result[name] for name, _ in candidates)
+        share = None if first["TB/s"] is None else 100 * first["TB/s"] * 1e12 / HBM_BYTES_PER_S
+        rows.append([f"{m}x{k}", cell(first["device_us"]), cell(first["TB/s"], ".2f"),
+                     cell(share, ".0f", "%"), cell(second["device_us"]),
+                     cell(second["TB/s"], ".2f"), cell(first["wall_us"]),
+                     cell(second["wall_us"])])
         records.append(result)
         del inputs
     return rows, records
+
+
+def _header(first: str, second: str) -> list[str]:
+    return ["M x K", f"{first} us", f"{first} TB/s", "of 4.8 TB/s", f"{second} us",
+            f"{second} TB/s", f"{first} wall us (dispatch-bound)",
+            f"{second} wall us (dispatch-bound)"]
 
 
 def main() -> None:
@@ -126,14 +141,13 @@ def main() -> None:
     if norm_records:
         write_json("add_rms_norm_quantize",
                    {"branch": norm_records, "no_branch": norm_only_records})
-    print(markdown_table(["M x K", "jax_mila us", "jax_mila TB/s", "of 4.8 TB/s", "XLA us",
-                          "XLA TB/s"], rows))
+    print("us: device time per call; TB/s from it; wall us: dispatch-bound wall time per call")
+    print(markdown_table(_header("jax_mila", "XLA"), rows))
     if geglu_rows:
         print()
         print("quantize_geglu (fused) vs XLA gelu_tanh(g) * u then quantize_activations; "
               "TB/s of the fused op's bytes for both")
-        print(markdown_table(["M x K", "fused us", "fused TB/s", "of 4.8 TB/s",
-                              "XLA + quantize us", "XLA + quantize TB/s"], geglu_rows))
+        print(markdown_table(_header("fused", "XLA + quantize"), geglu_rows))
     for title, rows_ in (("with a branch: h = x + rms_norm(a), quantize(rms_norm(h)); XLA: the "
                           "add and both norms, then quantize_activations", norm_rows),
                          ("without: quantize(rms_norm(x)); XLA: the norm, then "
@@ -141,8 +155,7 @@ def main() -> None:
         if rows_:
             print()
             print(f"add_rms_norm_quantize (fused) {title}; TB/s of the fused op's bytes for both")
-            print(markdown_table(["M x K", "fused us", "fused TB/s", "of 4.8 TB/s",
-                                  "XLA + quantize us", "XLA + quantize TB/s"], rows_))
+            print(markdown_table(_header("fused", "XLA + quantize"), rows_))
 
 
 if __name__ == "__main__":

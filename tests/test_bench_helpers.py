@@ -1,6 +1,7 @@
 """The benchmarks' timing helpers, without a GPU: benchmarks/_bench.py's GpuSampler (the clock
-and power beside every GEMM number) against a stand-in nvidia-smi on PATH, and
-benchmarks/gemm.py's trial scheduling (one path after another, or interleaved)."""
+and power beside every GEMM number) against a stand-in nvidia-smi on PATH,
+benchmarks/gemm.py's trial scheduling (one path after another, or interleaved), and the device
+time per call of short ops (jax_mila/bench/trace.py's windows over synthetic traces)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import tempfile
 import time
 from unittest import mock
 
-from absl.testing import absltest
+import jax.numpy as jnp
+from absl.testing import absltest, parameterized
+
+from jax_mila.bench import trace
 
 _BENCHMARKS = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
 
@@ -140,6 +144,94 @@ class TrialScheduleTest(absltest.TestCase):
             self.assertIsInstance(out["bad"], RuntimeError)
             self.assertEqual(out["good"][0], 2.0)
             self.assertLen(out["good"][1], 3)
+
+
+def _device_trace(kernels, annotations=(), host_kernels=()):
+    """A perfetto trace as jax.profiler writes it on a GPU: kernels (tid, name, ts, dur) on
+    /device:GPU:0's threads (7, 8: streams; 9: the derived "XLA Ops" line), annotations
+    (name, ts, dur) on the host's python thread, host_kernels (name, ts, dur) on
+    the device's "XLA Ops" line only."""
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}}]
+    meta += [{"ph": "M", "pid": p, "tid": t, "name": "thread_name", "args": {"name": n}}
+             for (p, t), n in {(1, 7): "Stream #7(Compute)", (1, 8): "Stream #8(Compute)",
+                               (1, 9): "XLA Ops", (2, 1): "python3"}.items()]
+    events = [{"ph": "X", "pid": 1, "tid": t, "name": n, "ts": ts, "dur": d}
+              for t, n, ts, d in kernels]
+    events += [{"ph": "X", "pid": 2, "tid": 1, "name": n, "ts": ts, "dur": d}
+               for n, ts, d in annotations]
+    events += [{"ph": "X", "pid": 1, "tid": 9, "name": n, "ts": ts, "dur": d}
+               for n, ts, d in host_kernels]
+    return {"traceEvents": meta + events}
+
+
+_REPS = (("rep 0", 100.0, 100.0), ("rep 1", 300.0, 100.0))
+_KERNELS = (
+    (7, "warm_up_fusion", 10.0, 30.0),      # before the timed windows: left out
+    (7, "rms_norm_rope_kernel", 110.0, 20.0),
+    (8, "loop_fusion", 150.0, 10.0),        # a second stream: counted too
+    (7, "stray_fusion", 260.0, 10.0),       # between the windows, nearer rep 1
+    (9, "custom-call.1", 110.0, 20.0),      # XLA Ops repeats stream 7's kernel: left out
+    (7, "rms_norm_rope_kernel", 310.0, 40.0),
+    (7, "rms_norm_rope_kernel", 398.0, 6.0),  # midpoint 401: rep 1's only with slack
+    (7, "after_fusion", 600.0, 50.0),       # after the last window: left out
+)
+
+
+class DeviceTimeWindowsTest(parameterized.TestCase):
+
+    def test_host_windows_in_the_order_of_the_names(self):
+        t = _device_trace(_KERNELS, _REPS, host_kernels=[("rep 0", 0.0, 5.0)])
+        self.assertEqual(trace.host_windows(t, ["rep 1", "rep 0"]),
+                         [(300.0, 400.0), (100.0, 200.0)])
+        # A name the trace lacks is left out; a device event of that name is no window.
+        self.assertEqual(trace.host_windows(t, ["rep 0", "rep 9"]), [(100.0, 200.0)])
+
+    @parameterized.named_parameters(
+        ("exact_windows", 0.0, [30e-6, 40e-6]),
+        ("with_slack", 5.0, [30e-6, 46e-6]),
+        ("nearest_window", 70.0, [30e-6, 56e-6]))  # both take the stray one: rep 1 gets it
+    def test_stream_kernels_inside_the_windows(self, slack_us, want):
+        t = _device_trace(_KERNELS, _REPS)
+        got = trace.device_seconds_in_windows(t, trace.host_windows(t, ["rep 0", "rep 1"]),
+                                              slack_us=slack_us)
+        self.assertLen(got, 2)
+        for g, w in zip(got, want):
+            self.assertAlmostEqual(g, w, delta=1e-12)
+
+    @parameterized.named_parameters(
+        ("empty_trace", {"traceEvents": []}),
+        ("cpu_run", _device_trace([], _REPS)),  # annotations, no device kernels
+        ("kernels_outside_the_windows", _device_trace(_KERNELS[:1], _REPS)))
+    def test_none_without_device_kernels_in_the_windows(self, t):
+        windows = trace.host_windows(t, ["rep 0", "rep 1"])
+        self.assertIsNone(trace.device_seconds_in_windows(t, windows))
+
+
+class MedianDeviceSecondsTest(absltest.TestCase):
+
+    def test_median_per_call_of_the_traced_reps(self):
+        bench = _load_bench()
+        names = [bench._REP_NAME.format(r) for r in range(3)]
+        reps = [(names[0], 100.0, 100.0), (names[1], 300.0, 100.0), (names[2], 500.0, 100.0)]
+        kernels = [(7, "k", 110.0, 40.0), (7, "k", 310.0, 20.0), (8, "k", 350.0, 10.0),
+                   (7, "k", 510.0, 90.0)]
+        with mock.patch.object(bench, "_profiled_reps", return_value=_device_trace(kernels, reps)):
+            got = bench.median_device_seconds_per_call(jnp.sin, [(jnp.ones(4),)], calls=10,
+                                                       reps=3)
+        self.assertAlmostEqual(got, 40e-6 / 10, delta=1e-15)  # reps of 40, 30, 90 us
+
+    def test_cpu_falls_back_to_none(self):
+        # The real profiler on the CPU backend: a trace without device kernels.
+        bench = _load_bench()
+        self.assertIsNone(bench.median_device_seconds_per_call(
+            jnp.sin, [(jnp.ones(16),), (jnp.ones(16),)], calls=3, warmup=1, reps=2))
+        timing = bench.time_per_call(jnp.sin, [(jnp.ones(16),)])
+        self.assertIsNone(timing["device_us"])
+        self.assertGreater(timing["wall_us"], 0)
+        self.assertEqual(bench.cell(timing["device_us"]), "-")
+        self.assertIsNone(bench.tb_per_s(1000, None))
+        self.assertAlmostEqual(bench.tb_per_s(4_000_000, 2.0), 2.0)  # 4 MB in 2 us
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ twice. Kernels are bucketed by name (BUCKETS, first match wins); the sum is devi
 not wall time (streams can overlap, and host gaps are not in it; :func:`timeline` measures
 those gaps). With several devices the
 split is also kept per device: NCCL kernels spin while they wait for a peer, so a device's
-"collectives" time is transfers plus the other devices' lateness.
+"collectives" time is transfers plus the other devices' lateness. :func:`host_windows` and
+:func:`device_seconds_in_windows` give the device time of timed runs the caller marked with
+host annotations (benchmarks/_bench.py's device time per call of short ops).
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ def find_trace(log_dir: str) -> str | None:
     return max(found, key=os.path.getmtime) if found else None
 
 
+def load(trace_path: str) -> dict:
+    """A trace file (gzipped JSON, as :func:`find_trace` finds them) parsed."""
+    with gzip.open(trace_path, "rt") as f:
+        return json.load(f)
+
+
 def kernel_events(trace: dict):
     """(device, name, duration in us) of every kernel / copy on a device stream of a parsed
     trace; device is the process name ("/device:GPU:0")."""
@@ -84,14 +92,49 @@ def kernel_intervals(trace: dict):
                    float(e.get("dur", 0.0)))
 
 
+def host_windows(trace: dict, names) -> list[tuple[float, float]]:
+    """(start, end) in us of the host events named ``names``, in the order of ``names``: the
+    spans of the jax.profiler.TraceAnnotation's a caller wrapped its timed runs in. Host and
+    device events share one time base in the trace, so the windows select kernels. A name
+    the trace lacks is left out (fewer windows than names); one seen twice counts once."""
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    devices = {e.get("pid") for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name"
+               and str(e.get("args", {}).get("name", "")).startswith("/device:")}
+    wanted, found = set(names), {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") not in devices and e.get("name") in wanted:
+            found.setdefault(e["name"], (float(e.get("ts", 0.0)),
+                                         float(e.get("ts", 0.0)) + float(e.get("dur", 0.0))))
+    return [found[n] for n in names if n in found]
+
+
+def device_seconds_in_windows(trace: dict, windows, slack_us: float = 0.0) -> list[float] | None:
+    """Per (start, end) window in us: seconds of device-stream kernels (those of
+    :func:`kernel_intervals`: summed over streams and devices, the derived HLO lines left out)
+    whose midpoint lies in the window or at most ``slack_us`` outside it, each kernel in the
+    nearest such window. The midpoint and the slack absorb a small offset between the host and
+    GPU clocks. Kernels further from every window (warm-up, the profiler's own start and stop)
+    count nowhere. None when no kernel falls in any window: a CPU run, or clocks further apart
+    than the slack."""
+    per_window = [0.0] * len(windows)
+    seen = False
+    for _, _, ts, dur in kernel_intervals(trace):
+        mid = ts + dur / 2
+        distance = [max(start - mid, mid - end, 0.0) for start, end in windows]
+        if distance and min(distance) <= slack_us:
+            per_window[distance.index(min(distance))] += dur / 1e6
+            seen = True
+    return per_window if seen else None
+
+
 def split_by_op(trace_path: str) -> dict | None:
     """{bucket: milliseconds} of device kernel time summed over the devices, plus "total",
     "kernels" (the count), "per_device" ({device: {bucket: ms, "total": ms}}) and
     "top_other" ([name, ms] of the heaviest kernels no bucket took) and "timeline" (see
     :func:`timeline`); None when the trace holds no device events (CPU, or the profiler saw no
     GPU)."""
-    with gzip.open(trace_path, "rt") as f:
-        trace = json.load(f)
+    trace = load(trace_path)
     split = _split(trace)
     if split is not None:
         split["timeline"] = timeline(trace)
