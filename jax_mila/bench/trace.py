@@ -97,15 +97,10 @@ def host_windows(trace: dict, names) -> list[tuple[float, float]]:
     spans of the jax.profiler.TraceAnnotation's a caller wrapped its timed runs in. Host and
     device events share one time base in the trace, so the windows select kernels. A name
     the trace lacks is left out (fewer windows than names); one seen twice counts once."""
-    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-    devices = {e.get("pid") for e in events
-               if e.get("ph") == "M" and e.get("name") == "process_name"
-               and str(e.get("args", {}).get("name", "")).startswith("/device:")}
     wanted, found = set(names), {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") not in devices and e.get("name") in wanted:
-            found.setdefault(e["name"], (float(e.get("ts", 0.0)),
-                                         float(e.get("ts", 0.0)) + float(e.get("dur", 0.0))))
+    for name, start, end in host_events(trace):
+        if name in wanted:
+            found.setdefault(name, (start, end))
     return [found[n] for n in names if n in found]
 
 
