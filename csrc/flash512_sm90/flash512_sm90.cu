@@ -127,6 +127,7 @@
 #include <type_traits>
 
 #include "common/attention_params.h"
+#include "common/cluster_launch.h"
 #include "common/key_tiles.cuh"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
@@ -695,20 +696,11 @@ cudaError_t LaunchKernel(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const
   }
   // kCluster 2: one cluster per pair of M tiles (an odd count leaves a CTA without rows).
   const int grid_x = kCluster == 1 ? num_m_blocks : 2 * ((num_m_blocks + 1) / 2);
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(p.hkv),
-                     static_cast<unsigned>(p.batch));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmemBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attrs[1];
-  attrs[0].id = cudaLaunchAttributeClusterDimension;
-  attrs[0].val.clusterDim.x = kCluster;
-  attrs[0].val.clusterDim.y = 1;
-  attrs[0].val.clusterDim.z = 1;
-  cfg.attrs = attrs;
-  cfg.numAttrs = kCluster == 1 ? 0 : 1;  // kCluster 1: a plain launch
-  return cudaLaunchKernelEx(&cfg, kernel, tm_q, tm_k, tm_v, p, num_m_blocks);
+  const ClusterLaunchConfig launch(
+      dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(p.hkv),
+           static_cast<unsigned>(p.batch)),
+      dim3(kThreads), kSmemBytes, stream, kCluster);
+  return cudaLaunchKernelEx(&launch.cfg, kernel, tm_q, tm_k, tm_v, p, num_m_blocks);
 }
 
 }  // namespace

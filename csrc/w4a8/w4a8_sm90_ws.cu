@@ -63,6 +63,7 @@
 #include <string_view>
 #include <type_traits>
 
+#include "common/cluster_launch.h"
 #include "common/ptx.cuh"
 #include "common/tensor_map.h"
 #include "w4a8/w4a8_convert.cuh"
@@ -720,17 +721,9 @@ cudaError_t LaunchTyped(const W4A8Args& args, bool stream_k, cudaStream_t stream
                              : w4a8_wgmma_ws_kernel<OutT, false, 1>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
-  cudaLaunchConfig_t cfg{};
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmemBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute cluster_attr[1];
-  cluster_attr[0].id = cudaLaunchAttributeClusterDimension;
-  cluster_attr[0].val.clusterDim.x = kCluster;
-  cluster_attr[0].val.clusterDim.y = 1;
-  cluster_attr[0].val.clusterDim.z = 1;
-  cfg.attrs = cluster_attr;
-  cfg.numAttrs = kCluster == 1 ? 0 : 1;  // kCluster 1: a plain launch
+  // The grid is set below, once the schedule is known.
+  ClusterLaunchConfig launch(dim3(1), dim3(kThreads), kSmemBytes, stream, kCluster);
+  cudaLaunchConfig_t& cfg = launch.cfg;
   // Units that are resident at once: one CTA per SM, or as many clusters as the GPCs hold (a
   // GPC with an odd number of free SMs leaves one idle). Stream-K needs every unit resident.
   // Queried once per device (the answer depends only on the kernel and the GPU).
