@@ -113,10 +113,13 @@
 // stream competes at once, and K_{i+1} and V_i have one wgmma batch each to arrive in.
 //
 // Measured on the H200 (S=16K, docs/performance.md): 491-509 TFLOP/s with the split softmax in
-// serial order (474 before), tensor pipe 56% busy, issue slots 30%. Not yet (next steps of
-// issue 7): a second K/V stage (no room at 64-key tiles: Q + K + V + exchange = 225 KB; 32-key
-// tiles with two stages would fit in 209 KB); a persistent causal scheduler; staged (TMA)
-// output stores. The 2-CTA multicast variant exists and is slower.
+// serial order (474 before), tensor pipe 56% busy, issue slots 30%. The bound is the serial
+// chain per tile, not shared-memory bytes (eighteenth round: 80 instead of 128 KB of TMA writes
+// per tile, with K and V sharing a tile, changed nothing; ncu puts a third of each consumer's
+// time in the softmax and exchanges, when neither consumer has a wgmma in flight). Next step of
+// issue 7: FlashMLA's "seesaw" (each warpgroup computes S and the softmax of every other tile
+// and both add every P V into their O halves), which needs the shared K/V tile to fit two
+// tiles (branch rotary-keys). The 2-CTA multicast variant exists and is slower.
 #include <cuda.h>  // CUtensorMap and its enums (the driver entry point is fetched at run time)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -656,7 +659,7 @@ bool EncodeMap(tma::EncodeTiledFn encode, CUtensorMap* map, const void* ptr, uin
 
 // Developer knob, read once per process: JAX_MILA_FLASH512_SM90_CLUSTER=2 runs the 2-CTA
 // cluster variant (adjacent M tiles share every K/V tile through TMA multicast: half the
-// L2->SM traffic). Default 1: the kernel is bound by shared-memory bandwidth, which multicast
+// L2->SM traffic). Default 1: the kernel is bound by its serial chain per tile, which multicast
 // does not reduce, and the pair's lock-step per tile costs more than the L2 traffic saved
 // (457 vs 513 TFLOP/s at S=16K, 460 vs 485 at 32K; docs/performance.md, seventeenth round).
 int ClusterSize() {
