@@ -40,7 +40,10 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
           -Cbuild-dir=build/round -Ccmake.define.JAX_MILA_PTXAS_VERBOSE=ON .) > "$OUT/build.log" 2>&1; then
     grep -E "error" "$OUT/build.log" | head -30; exit 1
   fi
-  grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/build.log" | sed 's/^ *//' > "$OUT/ptxas.txt"
+  grep -E "Compiling entry|Used [0-9]+ registers|spill|C75[0-9][0-9]" "$OUT/build.log" | sed 's/^ *//' > "$OUT/ptxas.txt"
+  # ptxas's performance warnings, e.g. C7518: every wgmma of a kernel serialized (a wgmma
+  # batch under a branch it cannot prove warp-uniform); shown, not just logged.
+  grep -h "C75[0-9][0-9]" "$OUT/ptxas.txt" | sort -u | sed 's/^/   ptxas: /'
 fi
 
 cd /tmp  # import the installed package, not the source tree
