@@ -31,6 +31,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaW4A8Matmul);
 #endif
 #ifdef MILA_WITH_FLASH512_SM90
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaFlashAttentionD512Sm90);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaFlashAttentionD512Sm90RotaryKeys);
 #endif
 #ifdef MILA_WITH_FLASH256_SM90
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaFlashAttentionD256Sm90);
@@ -72,6 +73,8 @@ NB_MODULE(_jax_mila_cuda, m) {
 #ifdef MILA_WITH_FLASH512_SM90
     targets["jax_mila_flash_attention_d512_sm90"] =
         EncapsulateFfiHandler(MilaFlashAttentionD512Sm90);
+    targets["jax_mila_flash_attention_d512_sm90_rotary_keys"] =
+        EncapsulateFfiHandler(MilaFlashAttentionD512Sm90RotaryKeys);
 #endif
 #ifdef MILA_WITH_FLASH256_SM90
     targets["jax_mila_flash_attention_d256_sm90"] =

@@ -29,7 +29,9 @@ OPS: dict[str, tuple[str, ...]] = {
     "add_rms_norm_quantize": ("jax_mila_add_rms_norm_quantize", "jax_mila_rms_norm_quantize"),
     "rms_norm_rope": ("jax_mila_rms_norm_rope",),
     "flash_attention": ("jax_mila_flash_attention_d256", "jax_mila_flash_attention_d512",
-                        "jax_mila_flash_attention_d512_sm90",  # the last two: Hopper only
+                        # the last three: Hopper only
+                        "jax_mila_flash_attention_d512_sm90",
+                        "jax_mila_flash_attention_d512_sm90_rotary_keys",
                         "jax_mila_flash_attention_d256_sm90"),
     "w4a8_matmul": ("jax_mila_w4a8_matmul",),
 }

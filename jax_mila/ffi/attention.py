@@ -8,6 +8,8 @@ n L + j at position kv_offset[n] + j (a device's share of a position-sharded cac
 one call: jax_mila/parallel/chunked.py). With causal=True a key is visible when
 its position is not after the query's; a window W (requires causal) also asks
 q_pos - k_pos < W. Rows with no visible key return zeros (lse -inf).
+With rotary_keys_only=r the scores read k only in the columns RoPE rotates ([0:r] and
+[D/2 : D/2 + r]) and v in all others (Gemma 4's K=V layers: reference.keys_except_rotary).
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ D512_CAPABILITIES = ((8, 0), (9, 0))
 # otherwise the mma.sync kernel, which stays the portable path and the oracle.
 # JAX_MILA_FLASH512_SM90=0 / JAX_MILA_FLASH256_SM90=0 turn them off (read at trace time).
 D512_SM90_TARGET = "jax_mila_flash_attention_d512_sm90"
+# The Hopper D=512 kernel with rotary_keys_only=64 (Gemma 4's proportional RoPE at D=512): it
+# loads V and only K's two rotated 64-column blocks, 80 instead of 128 KB per 64-key tile. Other
+# calls with rotary_keys_only pass the substituted keys to the plain targets.
+D512_SM90_ROTARY_KEYS_TARGET = "jax_mila_flash_attention_d512_sm90_rotary_keys"
+D512_SM90_ROTARY_PAIRS = 64
 D256_SM90_TARGET = "jax_mila_flash_attention_d256_sm90"
 _SM90 = {512: (D512_SM90_TARGET, "JAX_MILA_FLASH512_SM90"),
          256: (D256_SM90_TARGET, "JAX_MILA_FLASH256_SM90")}
@@ -51,7 +58,7 @@ def _target(q, k) -> str:
     return f"jax_mila_flash_attention_d{d}"
 
 
-def _validate(q, k, v, scale, causal, window, q_offset, kv_offset) -> None:
+def _validate(q, k, v, scale, causal, window, q_offset, kv_offset, rotary_keys_only) -> None:
     for name, x, layout in (("q", q, "[B, T, Hq, D]"), ("k", k, "[B, S, Hkv, D]"),
                             ("v", v, "[B, S, Hkv, D]")):
         _checks.check_rank(OP, name, x, rank=4, layout=layout)
@@ -94,9 +101,14 @@ def _validate(q, k, v, scale, causal, window, q_offset, kv_offset) -> None:
     if segments != () and segments[0] > 1 and d != 512:
         _checks.fail(OP, "kv_offset", f"segmented keys ({segments[0]} segment starts) are "
                                       f"supported for head dim 512 only; got head dim {d}")
+    r = rotary_keys_only
+    if r is not None and (isinstance(r, bool) or not isinstance(r, (int, np.integer))
+                          or not 0 <= r <= d // 2):
+        _checks.fail(OP, "rotary_keys_only", f"must be None or an int in [0, D/2 = {d // 2}] "
+                                             f"(rotated pairs of the half-split RoPE), got {r!r}")
 
 
-def _make_call(target, scale, causal, window):
+def _make_call(target, scale, causal, window, rotary_keys_only=None):
     def kernel(q, k, v, q_offset, kv_offset):
         b, t, hq, _ = q.shape
         out_types = (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
@@ -107,12 +119,13 @@ def _make_call(target, scale, causal, window):
 
     def ref(q, k, v, q_offset, kv_offset):
         return reference.flash_attention(q, k, v, scale=scale, causal=causal, window=window,
-                                         q_offset=q_offset, kv_offset=kv_offset, return_lse=True)
+                                         q_offset=q_offset, kv_offset=kv_offset, return_lse=True,
+                                         rotary_keys_only=rotary_keys_only)
 
     device_ok = None
     if target.endswith("d512"):
         device_ok = lambda cc: cc in D512_CAPABILITIES  # noqa: E731
-    elif target in (D512_SM90_TARGET, D256_SM90_TARGET):
+    elif target in (D512_SM90_TARGET, D512_SM90_ROTARY_KEYS_TARGET, D256_SM90_TARGET):
         device_ok = lambda cc: cc == (9, 0)  # noqa: E731
     requirement = ("the D=512 kernel needs >= 160 KB of shared memory per block (sm_80, sm_90)"
                    if target != D256_SM90_TARGET else "the wgmma D=256 kernel runs on sm_90 only")
@@ -142,16 +155,24 @@ def _make_call(target, scale, causal, window):
 
 
 def flash_attention(q, k, v, *, scale=None, causal=False, window=None, q_offset=0, kv_offset=0,
-                    return_lse=False):
+                    return_lse=False, rotary_keys_only=None):
     """Attention of bf16 q over k, v with causal / sliding-window masking and position offsets.
 
     Returns o [B, T, Hq, D] (bf16), and with return_lse=True also the float32 log-sum-exp of
     the scaled scores, [B, Hq, T]. ``scale=None`` means 1/sqrt(D) (Gemma 4 uses 1.0).
+    ``rotary_keys_only=r``: the scores read k only in the r rotated pairs of columns ([0:r] and
+    [D/2 : D/2 + r]) and v elsewhere; Gemma 4's K=V layers pass r = 64 with k_norm's weight
+    folded into q outside those columns (jax_mila/gemma4/attention.py).
     """
-    _validate(q, k, v, scale, causal, window, q_offset, kv_offset)
+    _validate(q, k, v, scale, causal, window, q_offset, kv_offset, rotary_keys_only)
     d = q.shape[-1]
     scale = float(d**-0.5 if scale is None else scale)
     target = _target(q, k)
-    call = _make_call(target, scale, bool(causal), window)
+    if rotary_keys_only is not None:
+        if target == D512_SM90_TARGET and rotary_keys_only == D512_SM90_ROTARY_PAIRS:
+            target = D512_SM90_ROTARY_KEYS_TARGET
+        else:
+            k, rotary_keys_only = reference.keys_except_rotary(k, v, rotary_keys_only), None
+    call = _make_call(target, scale, bool(causal), window, rotary_keys_only)
     o, lse = call(q, k, v, jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32))
     return (o, lse) if return_lse else o

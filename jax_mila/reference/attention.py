@@ -5,6 +5,7 @@ Query i sits at position q_offset + i and key j at kv_offset + j, or with a vect
 of N segment starts, key n L + j (L = S / N) at kv_offset[n] + j. With causal=True a key
 is visible when its position is not after the query's; a window W additionally requires
 q_pos - k_pos < W. A query row with no visible key returns zeros (and lse = -inf).
+With rotary_keys_only=r the scores read k only in the RoPE-rotated columns (keys_except_rotary).
 
 Computed in float32 from the inputs (scores, softmax and the PV product), then cast to
 q.dtype. It materialises the [T, S] scores, so it is an oracle and a CPU path, not a
@@ -27,8 +28,21 @@ def visible_mask(q_pos, k_pos, *, causal: bool, window: int | None):
     return mask
 
 
+def keys_except_rotary(k, v, rotary_pairs: int):
+    """The keys the scores read under ``rotary_keys_only=r`` (jax_mila.ffi.flash_attention):
+    k in the columns RoPE rotates, [0:r] and [D/2 : D/2 + r] of the half-split layout, v in all
+    others. Gemma 4's K=V layers: there V is the normed raw key and K = RoPE(V * k_norm.w), so
+    with k_norm's weight folded into q outside the rotated columns, q . k_eff is the same
+    score up to rounding (jax_mila/gemma4/attention.py)."""
+    d = k.shape[-1]
+    col = jnp.arange(d) % (d // 2)
+    return jnp.where(col < rotary_pairs, k, v)
+
+
 def flash_attention(q, k, v, *, scale=None, causal=False, window=None, q_offset=0,
-                    kv_offset=0, return_lse=False):
+                    kv_offset=0, return_lse=False, rotary_keys_only=None):
+    if rotary_keys_only is not None:
+        k = keys_except_rotary(k, v, rotary_keys_only)
     batch, t, hq, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
     groups = hq // hkv
