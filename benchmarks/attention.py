@@ -7,6 +7,9 @@ Shapes (T = S, B = 1, q_offset = kv_offset = 0, Gemma scale 1.0):
   d256: local layers,  Hq=16, Hkv=8, D=256, causal, W=1024,  S = 8K, 32K, 64K
   d256_causal (only on request): the d256 shape without a window, S = 8K, 16K
 
+d512 also times "mila_rk": the same call with rotary_keys_only=64 (Gemma 4's K=V global layers:
+the scores read K only in RoPE's rotated columns, V in the others; Hopper's rotary-keys kernel).
+
 FLOPs = 4 * D * Hq * B * (number of visible (query, key) pairs): the FA convention, so causal
 counts the unmasked half and a sliding window only the pairs inside it. Time: median of
 --reps timed runs after a warm-up, each ended by jax.block_until_ready. Baselines:
@@ -35,11 +38,12 @@ except ImportError:  # not installed: run from a source checkout (reference path
     from jax_mila import ffi
 
 CONFIGS = {
-    "d512": dict(d=512, hq=16, hkv=1, window=None, seqs=(4096, 8192, 16384, 32768, 65536)),
-    "d256": dict(d=256, hq=16, hkv=8, window=1024, seqs=(8192, 32768, 65536)),
+    "d512": dict(d=512, hq=16, hkv=1, window=None, seqs=(4096, 8192, 16384, 32768, 65536),
+                 rotary=64),
+    "d256": dict(d=256, hq=16, hkv=8, window=1024, seqs=(8192, 32768, 65536), rotary=None),
     # Not a Gemma layer: the local shape without a window, to compare with published
     # FA2/cuDNN causal d=256 numbers (e.g. FA2 ~297 TFLOP/s on H100).
-    "d256_causal": dict(d=256, hq=16, hkv=8, window=None, seqs=(8192, 16384)),
+    "d256_causal": dict(d=256, hq=16, hkv=8, window=None, seqs=(8192, 16384), rotary=None),
 }
 SCALE = 1.0
 
@@ -77,7 +81,7 @@ def is_oom(e: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in m or "out of memory" in m.lower() or "Out of memory" in m
 
 
-def bench_one(name, d, hq, hkv, window, s, reps, skip_xla):
+def bench_one(name, d, hq, hkv, window, s, reps, skip_xla, rotary=None):
     b, t = 1, s
     key = jax.random.key(int.from_bytes(os.urandom(4), "little"))
     kq, kk, kv = jax.random.split(key, 3)
@@ -93,6 +97,8 @@ def bench_one(name, d, hq, hkv, window, s, reps, skip_xla):
     impls = {
         "mila": jax.jit(lambda q, k, v: ffi.flash_attention(q, k, v, scale=SCALE, causal=True,
                                                             window=window)),
+        "mila_rk": jax.jit(lambda q, k, v: ffi.flash_attention(
+            q, k, v, scale=SCALE, causal=True, window=window, rotary_keys_only=rotary)),
         "xla": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, scale=SCALE, is_causal=True, implementation="xla",
             local_window_size=None if window is None else (window - 1, 0))),
@@ -101,6 +107,9 @@ def bench_one(name, d, hq, hkv, window, s, reps, skip_xla):
             local_window_size=None if window is None else (window - 1, 0))),
     }
     for impl, fn in impls.items():
+        if impl == "mila_rk" and rotary is None:
+            row[f"{impl}_ms"], row[f"{impl}_tflops"] = None, "-"
+            continue
         if impl == "xla" and skip_xla:
             row[f"{impl}_ms"], row[f"{impl}_tflops"] = None, "skipped"
             continue
@@ -143,14 +152,15 @@ def main(argv=None):
         seqs = [int(x) for x in args.seqs.split(",")] if args.seqs else cfg["seqs"]
         for s in seqs:
             rows.append(bench_one(name, cfg["d"], cfg["hq"], cfg["hkv"], cfg["window"], s,
-                                  args.reps, args.skip_xla))
+                                  args.reps, args.skip_xla, cfg["rotary"]))
 
-    print("\n| config | S | Hq/Hkv | D | window | mila ms | mila TFLOP/s | cudnn ms | "
-          "cudnn TFLOP/s | xla ms | xla TFLOP/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| config | S | Hq/Hkv | D | window | mila ms | mila TFLOP/s | mila rotary-keys "
+          "TFLOP/s | cudnn ms | cudnn TFLOP/s | xla ms | xla TFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['config']} | {r['S']} | {r['Hq']}/{r['Hkv']} | {r['D']} | {r['window']} | "
-              f"{fmt(r['mila_ms'], 3)} | {fmt(r['mila_tflops'])} | {fmt(r['cudnn_ms'], 3)} | "
+              f"{fmt(r['mila_ms'], 3)} | {fmt(r['mila_tflops'])} | {fmt(r['mila_rk_tflops'])} | "
+              f"{fmt(r['cudnn_ms'], 3)} | "
               f"{fmt(r['cudnn_tflops'])} | {fmt(r['xla_ms'], 3)} | {fmt(r['xla_tflops'])} |")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "attention.json"), "w") as f:

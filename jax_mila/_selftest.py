@@ -95,21 +95,26 @@ def _check_rms_norm_rope() -> str | None:
 
 
 def _attention_case(d: int, target: str) -> Callable[[], str | None]:
-    """D=``d`` through ffi.flash_attention with its routing pinned to ``target`` (the Hopper
+    """D=``d`` through ffi.flash_attention with its routing pinned to ``target`` (a Hopper
     kernel or the portable one: jax_mila/ffi/attention.py)."""
     from jax_mila.ffi import attention
 
-    sm90, switch = attention._SM90[d]
+    switch = attention._SM90[d][1]
+    portable = f"jax_mila_flash_attention_d{d}"
+    # The rotary-keys instance: scores from k's rotated columns and v's others.
+    rotary = target == attention.D512_SM90_ROTARY_KEYS_TARGET
+    r = attention.D512_SM90_ROTARY_PAIRS if rotary else None
 
     def check() -> str | None:
         k1, k2, k3 = jax.random.split(_fresh_key(), 3)
         q = jax.random.normal(k1, (1, 97, 4, d), jnp.bfloat16)
         k = jax.random.normal(k2, (1, 130, 2, d), jnp.bfloat16)
         v = jax.random.normal(k3, (1, 130, 2, d), jnp.bfloat16)
-        kw = dict(scale=d**-0.5, causal=True, window=64, q_offset=33, kv_offset=0)
+        kw = dict(scale=d**-0.5, causal=True, window=64, q_offset=33, kv_offset=0,
+                  rotary_keys_only=r)
         # The switch is read when the call is traced.
-        with mock.patch.dict(os.environ, {switch: "1" if target == sm90 else "0"}):
-            routed = attention._target(q, k)
+        with mock.patch.dict(os.environ, {switch: "0" if target == portable else "1"}):
+            routed = attention._route(q, k, v, r)[0]
             if routed != target:
                 return f"ffi.flash_attention routes this call to {routed}, not {target}"
             o = jax.jit(lambda q, k, v: ffi.flash_attention(q, k, v, **kw))(q, k, v)
@@ -128,7 +133,8 @@ def _attention_targets() -> list[tuple[int, str]]:
     caps = _registry.cuda_capabilities()
     hopper = bool(caps) and all(cc == (9, 0) for cc in caps)
     return [(d, t) for d in (256, 512)
-            for t in (f"jax_mila_flash_attention_d{d}",) + ((attention._SM90[d][0],) if hopper else ())]
+            for t in (f"jax_mila_flash_attention_d{d}",) + ((attention._SM90[d][0],) if hopper else ())
+            + ((attention.D512_SM90_ROTARY_KEYS_TARGET,) if hopper and d == 512 else ())]
 
 
 def _check_w4a8() -> str | None:

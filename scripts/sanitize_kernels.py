@@ -141,12 +141,12 @@ ATTENTION_CASES = (
 )
 
 
-def check_attention(d):
+def check_attention(d, rotary_keys_only=None):
     for b, t, s, hq, hkv, causal, window, qo, ko in ATTENTION_CASES:
         if isinstance(ko, tuple) and d != 512:
             continue
         q, k, v = _bf16((b, t, hq, d)), _bf16((b, s, hkv, d)), _bf16((b, s, hkv, d))
-        kw = dict(causal=causal, window=window, return_lse=True)
+        kw = dict(causal=causal, window=window, return_lse=True, rotary_keys_only=rotary_keys_only)
         fn = lambda q, k, v, a, c: ffi.flash_attention(q, k, v, q_offset=a, kv_offset=c, **kw)  # noqa: E731
         o, lse = testing.call_with_poisoned_outputs(fn, q, k, v, jnp.int32(qo),
                                                     jnp.asarray(ko, jnp.int32))
@@ -156,7 +156,8 @@ def check_attention(d):
         err = testing.max_abs_err(o, ro)
         assert err < 0.05, (d, b, t, s, err)
         np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(np.asarray(rl)))
-        yield f"attention d{d} B{b} T{t} S{s} {hq}/{hkv} window={window} offsets={qo},{ko}"
+        yield (f"attention d{d} B{b} T{t} S{s} {hq}/{hkv} window={window} offsets={qo},{ko}"
+               f" rotary_keys_only={rotary_keys_only}")
 
 
 def check_w4a8():
@@ -313,6 +314,7 @@ def check_collectives_two_gpus():
 OPS = {"quantize": check_quantize, "norm_rope": check_norm_rope,
        "d256": lambda: check_attention(256),
        "d512": lambda: check_attention(512),
+       "d512_rotary": lambda: check_attention(512, rotary_keys_only=64),  # Hopper: *_rotary_keys
        "d256_mma": lambda: _with_env("JAX_MILA_FLASH256_SM90", "0", check_attention(256)),
        "d512_mma": lambda: _with_env("JAX_MILA_FLASH512_SM90", "0", check_attention(512)),
        "w4a8": check_w4a8, "prefill_1gpu": check_prefill_one_gpu,

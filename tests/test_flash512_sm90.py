@@ -1,4 +1,5 @@
-"""The Hopper D=512 flash attention (csrc/flash512_sm90/, target *_d512_sm90).
+"""The Hopper D=512 flash attention (csrc/flash512_sm90/, targets *_d512_sm90 and
+*_d512_sm90_rotary_keys).
 
 CPU: jax_mila.ffi.attention routes D=512 calls to it by default when the target is built, every
 GPU has compute capability 9.0 and Hq / Hkv divides its 64-row tile; JAX_MILA_FLASH512_SM90=0
@@ -9,6 +10,8 @@ so that neither routing nor the environment can make the comparison vacuous. The
 contract suite (tests/test_flash_attention.py) runs both: its default D=512 class through this
 kernel, its MmaSync class with the variable set to 0; the test here also proves that the
 default really routes to the new target and that 0 routes away from it.
+The rotary-keys instance (rotary_keys_only=64: scores from K's rotated columns and V's others)
+is held to the mma.sync kernel given the substituted keys (reference.keys_except_rotary).
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from jax_mila import ffi, testing
+from jax_mila import ffi, reference, testing
 from jax_mila.ffi import attention
 
 SM90 = attention.D512_SM90_TARGET
+ROTARY = attention.D512_SM90_ROTARY_KEYS_TARGET
 MMA = "jax_mila_flash_attention_d512"
 ENV = "JAX_MILA_FLASH512_SM90"
 
@@ -61,7 +65,39 @@ class RoutingTest(parameterized.TestCase):
         self.assertEqual(self._target(env, caps, registered, hq, hkv), MMA)
 
     def test_target_is_a_known_flash_attention_target(self):
-        ffi.status("flash_attention", SM90)  # raises ValueError for an unknown target
+        for target in (SM90, ROTARY):
+            ffi.status("flash_attention", target)  # raises ValueError for an unknown target
+
+    def _route(self, caps, registered, r, hq=16, hkv=1):
+        q = jnp.zeros((1, 8, hq, 512), jnp.bfloat16)
+        k = jnp.ones((1, 8, hkv, 512), jnp.bfloat16)
+        v = jnp.full((1, 8, hkv, 512), 2, jnp.bfloat16)
+        with mock.patch.object(attention, "cuda_capabilities", lambda: caps), \
+                mock.patch.object(attention, "_registered_targets", lambda: frozenset(registered)):
+            os.environ.pop(ENV, None)
+            target, keys, r_out = attention._route(q, k, v, r)
+        return target, np.asarray(keys[0, 0, 0], np.float32), r_out
+
+    def test_rotary_keys_route_to_their_kernel_with_the_raw_keys(self):
+        target, keys, r = self._route(((9, 0),), {MMA, SM90, ROTARY}, 64)
+        self.assertEqual((target, r), (ROTARY, 64))
+        np.testing.assert_array_equal(keys, 1.0)  # k itself: the kernel picks the columns
+
+    @parameterized.named_parameters(
+        ("_other_width", ((9, 0),), {MMA, SM90, ROTARY}, 32, SM90),
+        ("_ampere", ((8, 0),), {MMA, SM90, ROTARY}, 64, MMA),
+        ("_not_built", ((9, 0),), {MMA}, 64, MMA),
+    )
+    def test_otherwise_the_substituted_keys(self, caps, registered, r, expected):
+        target, keys, r_out = self._route(caps, registered, r)
+        self.assertEqual((target, r_out), (expected, None))
+        col = np.arange(512) % 256
+        np.testing.assert_array_equal(keys, np.where(col < r, 1.0, 2.0))
+
+    def test_without_rotary_keys_nothing_changes(self):
+        target, keys, r = self._route(((9, 0),), {MMA, SM90, ROTARY}, None)
+        self.assertEqual((target, r), (SM90, None))
+        np.testing.assert_array_equal(keys, 1.0)
 
 
 # (name, B, T, S, Hq, Hkv, causal, window, q_offset, kv_offset, scale): never tile multiples.
@@ -105,6 +141,35 @@ class Sm90VersusMmaSyncGpuTest(parameterized.TestCase):
                         msg)
         # Not vacuous: the inputs give non-trivial outputs.
         self.assertGreater(float(np.abs(o0).max()), 1e-3, msg)
+
+    @parameterized.named_parameters(*[(f"_{c[0]}",) + c[1:] for c in CASES])
+    def test_rotary_keys_match_mma_sync_on_the_substituted_keys(self, b, t, s, hq, hkv, causal,
+                                                                window, qo, ko, scale):
+        seed = int.from_bytes(os.urandom(4), "little")
+        kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+        q = jax.random.normal(kq, (b, t, hq, 512), jnp.float32).astype(jnp.bfloat16)
+        # Large and shifted keys outside the rotated columns: were the kernel to read them
+        # there, the scores (and outputs) would be far from the oracle's.
+        k = (4 * jax.random.normal(kk, (b, s, hkv, 512), jnp.float32) + 3).astype(jnp.bfloat16)
+        v = jax.random.normal(kv, (b, s, hkv, 512), jnp.float32).astype(jnp.bfloat16)
+        kw = dict(scale=scale, causal=causal, window=window)
+        call = testing.attention_target_call
+        o1, l1 = testing.call_with_poisoned_outputs(lambda *a: call(ROTARY, *a, **kw),
+                                                    q, k, v, qo, ko)
+        k_eff = reference.keys_except_rotary(k, v, 64)
+        o0, l0 = jax.jit(lambda *a: call(MMA, *a, **kw))(q, k_eff, v, qo, ko)
+        o2, _ = jax.jit(lambda *a: call(MMA, *a, **kw))(q, k, v, qo, ko)
+        o1, l1, o0, l0, o2 = (np.asarray(x, np.float32) for x in (o1, l1, o0, l0, o2))
+        msg = f"seed={seed}"
+        self.assertTrue(np.isfinite(o1).all(), msg)
+        np.testing.assert_array_equal(np.isneginf(l1), np.isneginf(l0), msg)
+        fin = np.isfinite(l0)
+        np.testing.assert_allclose(l1[fin], l0[fin], atol=2e-3, rtol=1e-4, err_msg=msg)
+        tol = 2e-2 * max(1.0, float(np.abs(o0).max()))
+        self.assertLess(float(np.abs(o1 - o0).max()), tol, msg)
+        self.assertGreater(float(np.abs(o0).max()), 1e-3, msg)
+        # Not vacuous: attention over the raw k is another result (on rows that see > 1 key).
+        self.assertGreater(float(np.abs(o2 - o0).max()), 10 * tol, msg)
 
     @parameterized.named_parameters(("_default", None, True), ("_env_zero", "0", False))
     def test_routing_reaches_the_hlo(self, env, sm90):

@@ -71,7 +71,8 @@ class SelftestTest(absltest.TestCase):
         self.assertEqual(targets, ["jax_mila_flash_attention_d256",
                                    "jax_mila_flash_attention_d256_sm90",
                                    "jax_mila_flash_attention_d512",
-                                   "jax_mila_flash_attention_d512_sm90"])
+                                   "jax_mila_flash_attention_d512_sm90",
+                                   "jax_mila_flash_attention_d512_sm90_rotary_keys"])
         with mock.patch.object(_registry, "cuda_capabilities", lambda: ((8, 9),)):
             targets = [t for t, _ in _selftest._checks()["flash_attention"]]
         self.assertEqual(targets, ["jax_mila_flash_attention_d256", "jax_mila_flash_attention_d512"])

@@ -58,6 +58,17 @@ def _target(q, k) -> str:
     return f"jax_mila_flash_attention_d{d}"
 
 
+def _route(q, k, v, rotary_keys_only):
+    """(target, k, rotary_keys_only) of a call: the rotary-keys kernel takes r = 64 where the
+    Hopper D=512 kernel runs; every other call gets the substituted keys and r = None."""
+    target = _target(q, k)
+    if rotary_keys_only is None:
+        return target, k, None
+    if target == D512_SM90_TARGET and rotary_keys_only == D512_SM90_ROTARY_PAIRS:
+        return D512_SM90_ROTARY_KEYS_TARGET, k, rotary_keys_only
+    return target, reference.keys_except_rotary(k, v, rotary_keys_only), None
+
+
 def _validate(q, k, v, scale, causal, window, q_offset, kv_offset, rotary_keys_only) -> None:
     for name, x, layout in (("q", q, "[B, T, Hq, D]"), ("k", k, "[B, S, Hkv, D]"),
                             ("v", v, "[B, S, Hkv, D]")):
@@ -167,12 +178,7 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, q_offset=
     _validate(q, k, v, scale, causal, window, q_offset, kv_offset, rotary_keys_only)
     d = q.shape[-1]
     scale = float(d**-0.5 if scale is None else scale)
-    target = _target(q, k)
-    if rotary_keys_only is not None:
-        if target == D512_SM90_TARGET and rotary_keys_only == D512_SM90_ROTARY_PAIRS:
-            target = D512_SM90_ROTARY_KEYS_TARGET
-        else:
-            k, rotary_keys_only = reference.keys_except_rotary(k, v, rotary_keys_only), None
+    target, k, rotary_keys_only = _route(q, k, v, rotary_keys_only)
     call = _make_call(target, scale, bool(causal), window, rotary_keys_only)
     o, lse = call(q, k, v, jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32))
     return (o, lse) if return_lse else o
