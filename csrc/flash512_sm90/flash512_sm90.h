@@ -15,8 +15,8 @@ cudaError_t LaunchFlashAttentionD512Sm90(const AttentionParams& p, cudaStream_t 
 
 // The same, except that the scores read K only in its column blocks [0:64] and [256:320] (the
 // ones Gemma 4's proportional RoPE rotates) and V in all others: jax_mila.ffi.flash_attention
-// with rotary_keys_only=64 (reference.keys_except_rotary). Loads 80 instead of 128 KB per
-// 64-key tile.
+// with rotary_keys_only=64 (reference.keys_except_rotary). flash512_sm90_seesaw.cu: the two
+// consumers alternate tiles, so one's softmax overlaps the other's wgmmas.
 cudaError_t LaunchFlashAttentionD512Sm90RotaryKeys(const AttentionParams& p, cudaStream_t stream);
 
 }  // namespace mila

@@ -1,0 +1,414 @@
+// Head-dim-512 flash attention on Hopper with rotary keys (target *_d512_sm90_rotary_keys,
+// jax_mila.ffi.flash_attention(..., rotary_keys_only=64)): the scores read K only in its
+// RoPE-rotated column blocks 0 and 4 ([0:64] and [256:320]) and V in the other six, which is
+// exact for Gemma 4's K=V layers once k_norm's weight is folded into q there. Same contract,
+// masking and geometry as flash512_sm90.cu otherwise (64 packed rows of one KV head per CTA,
+// a producer warpgroup and two consumers, each owning half of O's 512 columns).
+//
+// Why a second kernel: flash512_sm90.cu splits S's D contraction over its two consumers, so
+// both run the softmax of the same tile at the same time and the tensor cores idle through it
+// (ncu, eighteenth round: a third of each consumer's time). Here the consumers alternate tiles
+// (FlashMLA's "seesaw"): consumer c computes S and the softmax of the tiles i with i % 2 == c
+// over all 512 dims, hands its P and row maxima to the other through shared memory, and both
+// add every tile's P V into their own O half, in tile order. While one consumer runs a softmax,
+// the other's S or P V keeps the tensor cores busy.
+//
+// Shared memory: Q 64 KB (resident); per stage s = i % 2: V 64 KB and K's two rotated column
+// blocks 16 KB (S reads V for the other six); the P fragments handed over for tile i go into
+// its stage's K blocks once S_i has retired (8 KB), its row maxima into a small array; 1 KB of
+// row sums for the end; 7 mbarriers. 224 KB + 1 KB + barriers.
+//
+// Per tile i, owner c = i % 2 (program order of consumer c, own tile i):
+//   1. wait full[c] (tile i), issue S_i = Q K_i^T (32 x wgmma m64n64k16, Q and K/V in shared
+//      memory);
+//   2. the other's tile i - 1: wait hand[(i - 1) % 2], take its maxima (alpha = exp2(m_run -
+//      m_new), the same bits the owner computed) and P fragments, rescale O, issue P V_{i-1}
+//      into this consumer's O half;
+//   3. wait both; release this consumer's half of tile i - 1 (its P V and handoff reads);
+//   4. softmax of S_i (masking as flash512_sm90.cu), P_i to registers and to the handoff, m_i;
+//      arrive on hand[c];
+//   5. rescale O, issue P_i V_i; 6. wait, release this consumer's half of tile i.
+//   A tile the other consumer owns and that is the CTA's last is added after the loop.
+// Stage s is refilled with tile i + 2 once both consumers released tile i (empty[s] counts the
+// 8 consumer warps): the owner after its P V_i (also past S_i and the handoff writes), the other
+// after its P V_i and its handoff reads. Every wait depends on an earlier tile only, so the
+// order cannot deadlock. The handoff's generic stores to the K blocks are fenced to the async
+// proxy (fence.proxy.async) before the release that lets TMA overwrite them.
+// Row sums: each consumer sums its own tiles' P, rescaled by every tile's alpha; the two sums
+// are added at the end (both relative to the same final maximum).
+// (No watchdog on the waits: a trap in the consumers' wait loops made ptxas spill 800 bytes of
+// their registers.)
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/attention_params.h"
+#include "common/cluster_launch.h"
+#include "common/key_tiles.cuh"
+#include "common/ptx.cuh"
+#include "common/ptx_sm90.cuh"
+#include "common/softmax_fragments.cuh"
+#include "common/tensor_map.h"
+#include "flash512_sm90/flash512_sm90.h"
+
+
+namespace mila {
+namespace {
+
+namespace px = ::mila::ptx;
+namespace hx = ::mila::ptx::sm90;
+namespace sf = ::mila::softmax_fragments;
+
+constexpr int kD = 512;
+constexpr int kBlockM = 64;
+constexpr int kBlockN = 64;
+constexpr int kThreads = 384;
+constexpr int kColBlockBytes = 64 * 64 * 2;         // one TMA box: 64 rows x 128 bytes
+constexpr uint32_t kTileBytes = 8 * kColBlockBytes;   // 64 x 512 bf16
+constexpr uint32_t kKrBytes = 2 * kColBlockBytes;     // K column blocks 0 and 4 of one tile
+constexpr int kOffQ = 0;
+constexpr int kOffV = kOffQ + kTileBytes;             // V stages 0, 1
+constexpr int kOffKr = kOffV + 2 * kTileBytes;        // K block stages 0, 1 (then P handoffs)
+constexpr int kOffM = kOffKr + 2 * kKrBytes;          // float [2][64]: handed-over row maxima
+constexpr int kOffL = kOffM + 2 * 64 * 4;             // float [2][64]: row sums at the end
+constexpr int kOffBar = kOffL + 2 * 64 * 4;           // q, full[2], empty[2], hand[2]
+constexpr int kSmemBytes = kOffBar + 7 * 8 + 1024;    // + slack to align the base
+static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory per block is 227 KB");
+static_assert(4 * 128 * 16 <= static_cast<int>(kKrBytes), "P handoff must fit the K blocks");
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
+[[maybe_unused]] constexpr float kLog2e = 1.4426950408889634f;
+[[maybe_unused]] constexpr float kLn2 = 0.6931471805599453f;
+
+using sf::NegInf;
+
+__global__ void __launch_bounds__(kThreads, 1)
+    Flash512Sm90SeesawKernel(const __grid_constant__ CUtensorMap tm_q,
+                             const __grid_constant__ CUtensorMap tm_k,
+                             const __grid_constant__ CUtensorMap tm_v, const AttentionParams p,
+                             const int num_m_blocks) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = px::smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (base - raw);
+  const uint32_t sQ = base + kOffQ, sV = base + kOffV, sKr = base + kOffKr;
+  const uint32_t bar_q = base + kOffBar;
+  // Stage s's barriers: full[s] = bar_full + 8 s, and so on.
+  const uint32_t bar_full = bar_q + 8, bar_empty = bar_q + 24, bar_hand = bar_q + 40;
+
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int G = p.hq / p.hkv;
+  const int rows_total = p.t * G;  // fits int32: the FFI handler checks it
+  const int q_off = *p.q_offset;
+  const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x);  // longest first
+  const int m0 = m_block * kBlockM;
+  const int64_t qpos_min = static_cast<int64_t>(q_off) + min(p.t - 1, m0 / G);
+  const int64_t qpos_max = static_cast<int64_t>(q_off) + min(p.t - 1, (m0 + kBlockM - 1) / G);
+  const KeyTileCursor<kBlockN> first_tile(p, qpos_min, qpos_max);
+
+  if (tid == 0) {
+    hx::mbar_init(bar_q, 1);
+    for (int s = 0; s < 2; ++s) {
+      hx::mbar_init(bar_full + 8 * s, 1);
+      hx::mbar_init(bar_empty + 8 * s, 8);   // the 8 consumer warps
+      hx::mbar_init(bar_hand + 8 * s, 128);  // every thread of the owning consumer
+    }
+    hx::mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---------------- producer: Q once, then V and the two K blocks of every tile ----------
+    hx::setmaxnreg_dec<kProducerRegs>();
+    if (tid == 0 && first_tile.valid()) {
+      hx::tma_prefetch_desc(&tm_q);
+      hx::tma_prefetch_desc(&tm_k);
+      hx::tma_prefetch_desc(&tm_v);
+      hx::mbar_arrive_expect_tx(bar_q, kTileBytes);
+#pragma unroll
+      for (int cb = 0; cb < 8; ++cb)
+        hx::tma_load_4d(sQ + cb * kColBlockBytes, &tm_q, bar_q, cb * 64, h * G, m0 / G, b);
+      int i = 0;
+      for (KeyTileCursor<kBlockN> tile = first_tile; tile.valid(); tile.Advance(), ++i) {
+        const uint32_t st = i & 1, full = bar_full + 8 * st;
+        if (i >= 2) hx::mbar_wait(bar_empty + 8 * st, ((i >> 1) - 1) & 1);
+        hx::mbar_arrive_expect_tx(full, kTileBytes + kKrBytes);
+        const uint32_t v_dst = sV + st * kTileBytes, k_dst = sKr + st * kKrBytes;
+#pragma unroll
+        for (int cb = 0; cb < 8; ++cb)
+          hx::tma_load_4d(v_dst + cb * kColBlockBytes, &tm_v, full, cb * 64, h, tile.n0(), b);
+        hx::tma_load_4d(k_dst, &tm_k, full, 0, h, tile.n0(), b);
+        hx::tma_load_4d(k_dst + kColBlockBytes, &tm_k, full, 256, h, tile.n0(), b);
+      }
+    }
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  hx::setmaxnreg_inc<kConsumerRegs>();
+  const int c = wg - 1;           // O columns [256c, 256c + 256); owns the tiles i % 2 == c
+  const int ct = tid - 128 * wg;  // thread in the warpgroup
+  const int lane = ct & 31, wq = ct >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int row = 16 * wq + g;  // accumulator rows of this thread: row, row + 8
+  int tq[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int pr = m0 + row + 8 * r;
+    tq[r] = pr < rows_total ? pr / G : p.t - 1;
+  }
+  auto release = [&](int tile) {  // this consumer's reads of the tile's stage are done
+    __syncwarp();
+    if (lane == 0) hx::mbar_arrive(bar_empty + 8 * (tile & 1));
+  };
+  float* hand_m = reinterpret_cast<float*>(smem + kOffM);
+
+  float o[128];
+#pragma unroll
+  for (int e = 0; e < 128; ++e) o[e] = 0.f;
+  float m_run[2] = {NegInf(), NegInf()};
+  float l_run[2] = {0.f, 0.f};  // this consumer's tiles only, rescaled by every tile's alpha
+  const float scale_log2 = p.scale * kLog2e;
+
+  if (first_tile.valid()) {
+    float s[32];
+#pragma unroll
+    for (int e = 0; e < 32; ++e) s[e] = 0.f;
+    uint32_t pa[4][4];  // P of the next P V, as wgmma A fragments
+    hx::mbar_wait(bar_q, 0);
+
+    auto fence_pv_operands = [&] {
+      hx::fence_operands(o);
+      hx::fence_operands(pa);
+    };
+    // O_c = O_c P V_tile[:, 256c : 256c + 256] with P in pa (O already rescaled): issued and
+    // committed.
+    auto issue_pv = [&](int tile) {
+      uint32_t vh = sV + (tile & 1) * kTileBytes + 4 * c * kColBlockBytes;
+      asm volatile("" : "+r"(vh));
+      fence_pv_operands();
+      hx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const uint64_t dv = hx::desc_sw128(vh + kk * 16 * 128, kColBlockBytes, 1024);
+        hx::wgmma_m64n256k16_rs_tb(o, pa[kk], dv);
+      }
+      hx::wgmma_commit();
+    };
+    // The other consumer's tile: its row maxima and P from the handoff; O rescaled to the new
+    // maxima (alpha from the same bits the owner used) and l with it.
+    auto take_handoff = [&](int tile) {
+      hx::mbar_wait(bar_hand + 8 * (tile & 1), (tile >> 1) & 1);
+      const float* hm = hand_m + (tile & 1) * 64;
+      float alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float m_new = hm[row + 8 * r];
+        const float base_r = m_new == NegInf() ? 0.f : m_new;
+        alpha[r] = px::exp2_approx(m_run[r] - base_r);
+        m_run[r] = m_new;
+        l_run[r] *= alpha[r];
+      }
+      const uint4* hp = reinterpret_cast<const uint4*>(smem + kOffKr + (tile & 1) * kKrBytes);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const uint4 v = hp[kk * 128 + ct];
+        pa[kk][0] = v.x;
+        pa[kk][1] = v.y;
+        pa[kk][2] = v.z;
+        pa[kk][3] = v.w;
+      }
+      sf::RescaleRows(o, alpha);
+    };
+    // Element e of S holds row 16wq+g (+8 if bit 1 of e), key kpos0 + 8(e/4) + 2t4 (+1 if bit
+    // 0 of e): -inf where that key is not visible to that row (as in flash512_sm90.cu).
+    auto need_mask = [&](int64_t kpos0, int keys_left) {
+      return (keys_left < kBlockN) || (p.causal && kpos0 + kBlockN - 1 > qpos_min) ||
+             (p.window > 0 && kpos0 + p.window <= qpos_max);
+    };
+    auto mask = [&](float& x, int e, int64_t kpos0, int keys_left) {
+      const int kofs = 8 * (e >> 2) + 2 * t4 + (e & 1);
+      const int64_t delta = static_cast<int64_t>(q_off) + tq[(e >> 1) & 1] - kpos0 - kofs;
+      const bool visible = kofs < keys_left && (!p.causal || delta >= 0) &&
+                           (p.window <= 0 || delta < p.window);
+      if (!visible) x = NegInf();
+    };
+
+    bool pending = false;  // the other consumer's last tile, not yet added
+    int pending_tile = 0;
+    int i = 0;
+    for (KeyTileCursor<kBlockN> tile = first_tile; tile.valid(); tile.Advance(), ++i) {
+      if ((i & 1) != c) {
+        pending = true;
+        pending_tile = i;
+        continue;
+      }
+      const int64_t kpos0 = tile.kpos0();
+      const int keys_left = tile.keys_left();
+      const uint32_t st = i & 1;  // == c
+
+      // 1. S_i over all 512 dims: K's column blocks 0 and 4 from the stage's K blocks, the
+      // others from its V.
+      hx::mbar_wait(bar_full + 8 * st, (i >> 1) & 1);
+      {
+        uint32_t qb = sQ, vb = sV + st * kTileBytes, kb = sKr + st * kKrBytes;
+        asm volatile("" : "+r"(qb), "+r"(vb), "+r"(kb));
+        hx::fence_operands(s);
+        hx::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 32; ++kk) {
+          const int cb = kk >> 2;
+          const uint32_t in_row = (kk & 3) * 32;
+          const uint32_t kaddr = cb == 0   ? kb + in_row
+                                 : cb == 4 ? kb + kColBlockBytes + in_row
+                                           : vb + cb * kColBlockBytes + in_row;
+          const uint64_t da = hx::desc_sw128(qb + cb * kColBlockBytes + in_row, 16, 1024);
+          const uint64_t db = hx::desc_sw128(kaddr, 16, 1024);
+          if (kk == 0) {
+            hx::wgmma_m64n64k16_ss<false>(s, da, db);
+          } else {
+            hx::wgmma_m64n64k16_ss<true>(s, da, db);
+          }
+        }
+        hx::wgmma_commit();
+      }
+      // 2. The other consumer's tile i - 1, while S_i runs.
+      if (pending) {
+        take_handoff(pending_tile);
+        issue_pv(pending_tile);
+      }
+      // 3.
+      hx::wgmma_wait<0>();
+      hx::fence_operands(s);
+      fence_pv_operands();
+      if (pending) {
+        release(pending_tile);
+        pending = false;
+      }
+      // 4. Softmax of S_i; P_i and m_i handed over.
+#pragma unroll
+      for (int e = 0; e < 32; ++e) s[e] *= scale_log2;
+      if (need_mask(kpos0, keys_left)) {
+#pragma unroll
+        for (int e = 0; e < 32; ++e) mask(s[e], e, kpos0, keys_left);
+      }
+      float alpha[2];
+      sf::OnlineSoftmax(s, m_run, l_run, alpha);
+      uint4* hp = reinterpret_cast<uint4*>(smem + kOffKr + st * kKrBytes);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        sf::PackPFragment(s, kk, pa[kk]);
+        hp[kk * 128 + ct] = make_uint4(pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3]);
+      }
+      if (t4 == 0) {
+        hand_m[st * 64 + row] = m_run[0];
+        hand_m[st * 64 + row + 8] = m_run[1];
+      }
+      // TMA refills these bytes (tile i + 2's K blocks) once the stage is released.
+      hx::fence_proxy_async_shared();
+      hx::mbar_arrive(bar_hand + 8 * st);
+      // 5. and 6.
+      sf::RescaleRows(o, alpha);
+      issue_pv(i);
+      hx::wgmma_wait<0>();
+      fence_pv_operands();
+      release(i);
+    }
+    if (pending) {  // the CTA's last tile is the other consumer's
+      take_handoff(pending_tile);
+      issue_pv(pending_tile);
+      hx::wgmma_wait<0>();
+      fence_pv_operands();
+      release(pending_tile);
+    }
+  }
+
+  // ---- Epilogue: row sums over the quad and both consumers, lse (consumer 0), O / l in bf16.
+  float* xl = reinterpret_cast<float*>(smem + kOffL);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+  }
+  if (t4 == 0) {
+    xl[c * 64 + row] = l_run[0];
+    xl[c * 64 + row + 8] = l_run[1];
+  }
+  px::named_barrier_sync(1, 256);
+  l_run[0] += xl[(1 - c) * 64 + row];  // the same sum in both: fp32 + commutes
+  l_run[1] += xl[(1 - c) * 64 + row + 8];
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) inv[r] = l_run[r] > 0.f ? 1.f / l_run[r] : 0.f;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int pr = m0 + row + 8 * r;
+    if (pr >= rows_total) continue;
+    const int tq_r = pr / G, gq = pr % G;
+    if (c == 0 && t4 == 0 && p.lse != nullptr) {
+      p.lse[(static_cast<size_t>(b) * p.hq + h * G + gq) * p.t + tq_r] =
+          l_run[r] > 0.f ? (m_run[r] + log2f(l_run[r])) * kLn2 : NegInf();
+    }
+    __nv_bfloat16* orow =
+        p.o + ((static_cast<size_t>(b) * p.t + tq_r) * p.hq + h * G + gq) * kD + 256 * c + 2 * t4;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      *reinterpret_cast<uint32_t*>(orow + 8 * j) =
+          px::pack_bf16x2(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+    }
+  }
+#else
+  __trap();  // built for sm_90a only; the launcher checks the device
+#endif
+}
+
+}  // namespace
+
+cudaError_t LaunchFlashAttentionD512Sm90RotaryKeys(const AttentionParams& p, cudaStream_t stream) {
+  int device = 0, major = 0, minor = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if ((err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device)) != cudaSuccess)
+    return err;
+  if ((err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device)) != cudaSuccess)
+    return err;
+  if (major != 9 || minor != 0) return cudaErrorInvalidDeviceFunction;
+  const int G = p.hq / p.hkv;
+  if (G <= 0 || kBlockM % G != 0) return cudaErrorInvalidConfiguration;
+  const tma::EncodeTiledFn encode = tma::Encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  CUtensorMap tm_q, tm_k, tm_v;
+  if (!tma::EncodeBf16Swizzled(encode, &tm_q, p.q, kD, p.hq, p.t, p.batch, G, kBlockM / G) ||
+      !tma::EncodeBf16Swizzled(encode, &tm_k, p.k, kD, p.hkv, p.s, p.batch, 1, kBlockN) ||
+      !tma::EncodeBf16Swizzled(encode, &tm_v, p.v, kD, p.hkv, p.s, p.batch, 1, kBlockN)) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t rows = static_cast<int64_t>(p.t) * G;
+  const int64_t num_m_blocks = (rows + kBlockM - 1) / kBlockM;
+  if (num_m_blocks > INT32_MAX - 1) return cudaErrorInvalidValue;
+
+  auto* kernel = Flash512Sm90SeesawKernel;
+  if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  kSmemBytes)) != cudaSuccess) {
+    return err;
+  }
+  // setmaxnreg moves registers within the CTA: refuse to launch (rather than hang in
+  // setmaxnreg.inc) unless the kernel was allocated the 168 registers a thread it needs.
+  cudaFuncAttributes attr{};
+  if ((err = cudaFuncGetAttributes(&attr, kernel)) != cudaSuccess) return err;
+  if (attr.numRegs * kThreads < 128 * kProducerRegs + 256 * kConsumerRegs) {
+    return cudaErrorInvalidConfiguration;
+  }
+  const ClusterLaunchConfig launch(
+      dim3(static_cast<unsigned>(num_m_blocks), static_cast<unsigned>(p.hkv),
+           static_cast<unsigned>(p.batch)),
+      dim3(kThreads), kSmemBytes, stream, 1);
+  return cudaLaunchKernelEx(&launch.cfg, kernel, tm_q, tm_k, tm_v, p,
+                            static_cast<int>(num_m_blocks));
+}
+
+}  // namespace mila
