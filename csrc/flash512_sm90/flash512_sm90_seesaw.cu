@@ -14,26 +14,30 @@
 // the other's S or P V keeps the tensor cores busy.
 //
 // Shared memory: Q 64 KB (resident); per stage s = i % 2: V 64 KB and K's two rotated column
-// blocks 16 KB (S reads V for the other six); the P fragments handed over for tile i go into
-// its stage's K blocks once S_i has retired (8 KB), its row maxima into a small array; 1 KB of
-// row sums for the end; 7 mbarriers. 224 KB + 1 KB + barriers.
+// blocks 16 KB (S reads V for the other six); row maxima handed over, float [2][64]; 1 KB of
+// row sums for the end; 11 mbarriers. 224 KB + 1 KB + barriers.
 //
-// Per tile i, owner c = i % 2 (program order of consumer c, own tile i):
-//   1. wait full[c] (tile i), issue S_i = Q K_i^T (32 x wgmma m64n64k16, Q and K/V in shared
-//      memory);
-//   2. the other's tile i - 1: wait hand[(i - 1) % 2], take its maxima (alpha = exp2(m_run -
+// Half groups: a stage is two groups h = 0, 1, each V's column blocks 4h..4h+3 plus K block h
+// (column block 4h), filled under full[s][h] and released under empty[s][h] by consumer h
+// alone, after its P V of the tile (and, for the tile's non-owner, after reading the handoff,
+// which the owner writes into the non-owner's K block once S has read it). So each half of a
+// stage returns to the producer as soon as its consumer is done with it, and the owner of tile
+// i + 2 can start S on its own half while the other half is still loading.
+//
+// Consumer c, own tile i (stage c):
+//   1. wait full[c][c], issue S_i over D half c (16 x wgmma m64n64k16);
+//   2. the other's tile i - 1: wait hand[1 - c], take its row maxima (alpha = exp2(m_run -
 //      m_new), the same bits the owner computed) and P fragments, rescale O, issue P V_{i-1}
 //      into this consumer's O half;
-//   3. wait both; release this consumer's half of tile i - 1 (its P V and handoff reads);
-//   4. softmax of S_i (masking as flash512_sm90.cu), P_i to registers and to the handoff, m_i;
-//      arrive on hand[c];
-//   5. rescale O, issue P_i V_i; 6. wait, release this consumer's half of tile i.
+//   3. wait full[c][1 - c], issue S_i over the other D half; once the first half and P V_{i-1}
+//      retired, release this consumer's group of tile i - 1;
+//   4. when S_i retired: softmax (masking as flash512_sm90.cu), P_i to registers and into the
+//      handoff, m_i; arrive on hand[c];
+//   5. rescale O, issue P_i V_i, wait, release this consumer's group of tile i.
 //   A tile the other consumer owns and that is the CTA's last is added after the loop.
-// Stage s is refilled with tile i + 2 once both consumers released tile i (empty[s] counts the
-// 8 consumer warps): the owner after its P V_i (also past S_i and the handoff writes), the other
-// after its P V_i and its handoff reads. Every wait depends on an earlier tile only, so the
-// order cannot deadlock. The handoff's generic stores to the K blocks are fenced to the async
-// proxy (fence.proxy.async) before the release that lets TMA overwrite them.
+// Every wait depends on an earlier tile only, so the order cannot deadlock. The handoff's
+// generic stores to a K block are fenced to the async proxy (fence.proxy.async) before the
+// release that lets TMA overwrite them.
 // Row sums: each consumer sums its own tiles' P, rescaled by every tile's alpha; the two sums
 // are added at the end (both relative to the same final maximum).
 // (No watchdog on the waits: a trap in the consumers' wait loops made ptxas spill 800 bytes of
@@ -43,6 +47,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/attention_params.h"
 #include "common/cluster_launch.h"
@@ -73,8 +78,8 @@ constexpr int kOffV = kOffQ + kTileBytes;             // V stages 0, 1
 constexpr int kOffKr = kOffV + 2 * kTileBytes;        // K block stages 0, 1 (then P handoffs)
 constexpr int kOffM = kOffKr + 2 * kKrBytes;          // float [2][64]: handed-over row maxima
 constexpr int kOffL = kOffM + 2 * 64 * 4;             // float [2][64]: row sums at the end
-constexpr int kOffBar = kOffL + 2 * 64 * 4;           // q, full[2], empty[2], hand[2]
-constexpr int kSmemBytes = kOffBar + 7 * 8 + 1024;    // + slack to align the base
+constexpr int kOffBar = kOffL + 2 * 64 * 4;           // q, full[2][2], empty[2][2], hand[2]
+constexpr int kSmemBytes = kOffBar + 11 * 8 + 1024;   // + slack to align the base
 static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory per block is 227 KB");
 static_assert(4 * 128 * 16 <= static_cast<int>(kKrBytes), "P handoff must fit the K blocks");
 constexpr int kProducerRegs = 24;
@@ -96,8 +101,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* smem = smem_raw + (base - raw);
   const uint32_t sQ = base + kOffQ, sV = base + kOffV, sKr = base + kOffKr;
   const uint32_t bar_q = base + kOffBar;
-  // Stage s's barriers: full[s] = bar_full + 8 s, and so on.
-  const uint32_t bar_full = bar_q + 8, bar_empty = bar_q + 24, bar_hand = bar_q + 40;
+  // Half-tile groups: group (s, h) = stage s's V column blocks 4h..4h+3 and K block h, filled
+  // under full[s][h] = bar_full + 16 s + 8 h and released under empty[s][h] by consumer h alone
+  // (see "Half groups" above). hand[s] = bar_hand + 8 s.
+  const uint32_t bar_full = bar_q + 8, bar_empty = bar_q + 40, bar_hand = bar_q + 72;
 
   const int tid = threadIdx.x, wg = tid / 128;
   const int h = blockIdx.y, b = blockIdx.z;
@@ -113,8 +120,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     hx::mbar_init(bar_q, 1);
     for (int s = 0; s < 2; ++s) {
-      hx::mbar_init(bar_full + 8 * s, 1);
-      hx::mbar_init(bar_empty + 8 * s, 8);   // the 8 consumer warps
+      for (int hh = 0; hh < 2; ++hh) {
+        hx::mbar_init(bar_full + 16 * s + 8 * hh, 1);
+        hx::mbar_init(bar_empty + 16 * s + 8 * hh, 4);  // consumer hh's 4 warps
+      }
       hx::mbar_init(bar_hand + 8 * s, 128);  // every thread of the owning consumer
     }
     hx::mbar_init_fence();
@@ -134,15 +143,22 @@ __global__ void __launch_bounds__(kThreads, 1)
         hx::tma_load_4d(sQ + cb * kColBlockBytes, &tm_q, bar_q, cb * 64, h * G, m0 / G, b);
       int i = 0;
       for (KeyTileCursor<kBlockN> tile = first_tile; tile.valid(); tile.Advance(), ++i) {
-        const uint32_t st = i & 1, full = bar_full + 8 * st;
-        if (i >= 2) hx::mbar_wait(bar_empty + 8 * st, ((i >> 1) - 1) & 1);
-        hx::mbar_arrive_expect_tx(full, kTileBytes + kKrBytes);
-        const uint32_t v_dst = sV + st * kTileBytes, k_dst = sKr + st * kKrBytes;
+        const uint32_t st = i & 1;
+        // The owner's half first: its consumer released it after its own P V two tiles back;
+        // the other half waits for the other consumer's P V of that tile.
 #pragma unroll
-        for (int cb = 0; cb < 8; ++cb)
-          hx::tma_load_4d(v_dst + cb * kColBlockBytes, &tm_v, full, cb * 64, h, tile.n0(), b);
-        hx::tma_load_4d(k_dst, &tm_k, full, 0, h, tile.n0(), b);
-        hx::tma_load_4d(k_dst + kColBlockBytes, &tm_k, full, 256, h, tile.n0(), b);
+        for (int k = 0; k < 2; ++k) {
+          const uint32_t hh = st ^ k, full = bar_full + 16 * st + 8 * hh;
+          if (i >= 2) hx::mbar_wait(bar_empty + 16 * st + 8 * hh, ((i >> 1) - 1) & 1);
+          hx::mbar_arrive_expect_tx(full, kTileBytes / 2 + kColBlockBytes);
+          const uint32_t v_dst = sV + st * kTileBytes + 4 * hh * kColBlockBytes;
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            hx::tma_load_4d(v_dst + j * kColBlockBytes, &tm_v, full, (4 * hh + j) * 64, h,
+                            tile.n0(), b);
+          hx::tma_load_4d(sKr + st * kKrBytes + hh * kColBlockBytes, &tm_k, full, 256 * hh, h,
+                          tile.n0(), b);
+        }
       }
     }
     return;
@@ -161,9 +177,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int pr = m0 + row + 8 * r;
     tq[r] = pr < rows_total ? pr / G : p.t - 1;
   }
-  auto release = [&](int tile) {  // this consumer's reads of the tile's stage are done
+  auto release = [&](int tile) {  // this consumer's half group of the tile is done with
     __syncwarp();
-    if (lane == 0) hx::mbar_arrive(bar_empty + 8 * (tile & 1));
+    if (lane == 0) hx::mbar_arrive(bar_empty + 16 * (tile & 1) + 8 * c);
   };
   float* hand_m = reinterpret_cast<float*>(smem + kOffM);
 
@@ -213,7 +229,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         m_run[r] = m_new;
         l_run[r] *= alpha[r];
       }
-      const uint4* hp = reinterpret_cast<const uint4*>(smem + kOffKr + (tile & 1) * kKrBytes);
+      // In the stage's K block c (this consumer's half group; the owner's S read it before).
+      const uint4* hp = reinterpret_cast<const uint4*>(smem + kOffKr + (tile & 1) * kKrBytes +
+                                                       c * kColBlockBytes);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         const uint4 v = hp[kk * 128 + ct];
@@ -251,44 +269,52 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int keys_left = tile.keys_left();
       const uint32_t st = i & 1;  // == c
 
-      // 1. S_i over all 512 dims: K's column blocks 0 and 4 from the stage's K blocks, the
-      // others from its V.
-      hx::mbar_wait(bar_full + 8 * st, (i >> 1) & 1);
-      {
-        uint32_t qb = sQ, vb = sV + st * kTileBytes, kb = sKr + st * kKrBytes;
+      // 1. S_i over this consumer's half of D (group (c, c), released by its own P V two
+      // tiles back: usually loaded).
+      // `first`: the half that starts S (its first wgmma ignores the accumulators).
+      auto issue_s_half = [&](int hh, auto first) {
+        uint32_t qb = sQ + 4 * hh * kColBlockBytes;
+        uint32_t vb = sV + st * kTileBytes + 4 * hh * kColBlockBytes;
+        uint32_t kb = sKr + st * kKrBytes + hh * kColBlockBytes;
         asm volatile("" : "+r"(qb), "+r"(vb), "+r"(kb));
-        hx::fence_operands(s);
         hx::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 32; ++kk) {
-          const int cb = kk >> 2;
-          const uint32_t in_row = (kk & 3) * 32;
-          const uint32_t kaddr = cb == 0   ? kb + in_row
-                                 : cb == 4 ? kb + kColBlockBytes + in_row
-                                           : vb + cb * kColBlockBytes + in_row;
-          const uint64_t da = hx::desc_sw128(qb + cb * kColBlockBytes + in_row, 16, 1024);
+        for (int kk = 0; kk < 16; ++kk) {
+          const uint32_t off = (kk >> 2) * kColBlockBytes + (kk & 3) * 32;
+          // Column block 4hh is K's rotated block (the group's K block); the others are V's.
+          const uint32_t kaddr = kk < 4 ? kb + (kk & 3) * 32 : vb + off;
+          const uint64_t da = hx::desc_sw128(qb + off, 16, 1024);
           const uint64_t db = hx::desc_sw128(kaddr, 16, 1024);
-          if (kk == 0) {
+          if (decltype(first)::value && kk == 0) {
             hx::wgmma_m64n64k16_ss<false>(s, da, db);
           } else {
             hx::wgmma_m64n64k16_ss<true>(s, da, db);
           }
         }
         hx::wgmma_commit();
-      }
-      // 2. The other consumer's tile i - 1, while S_i runs.
+      };
+      hx::fence_operands(s);
+      hx::mbar_wait(bar_full + 16 * st + 8 * c, (i >> 1) & 1);
+      issue_s_half(c, std::true_type{});
+      // 2. The other consumer's tile i - 1, as soon as its P is handed over.
       if (pending) {
         take_handoff(pending_tile);
         issue_pv(pending_tile);
       }
-      // 3.
-      hx::wgmma_wait<0>();
-      hx::fence_operands(s);
-      fence_pv_operands();
+      // 3. S_i over the other half of D (group (c, 1 - c): released by the other consumer's
+      // P V two tiles back).
+      hx::mbar_wait(bar_full + 16 * st + 8 * (1 - c), (i >> 1) & 1);
+      issue_s_half(1 - c, std::false_type{});
       if (pending) {
+        // The first half of S and P V_{i-1} retired: this consumer's group of tile i - 1 (its
+        // V half and the handoff it read) goes back to the producer, for tile i + 1.
+        hx::wgmma_wait<1>();
+        fence_pv_operands();
         release(pending_tile);
         pending = false;
       }
+      hx::wgmma_wait<0>();
+      hx::fence_operands(s);
       // 4. Softmax of S_i; P_i and m_i handed over.
 #pragma unroll
       for (int e = 0; e < 32; ++e) s[e] *= scale_log2;
@@ -298,7 +324,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       float alpha[2];
       sf::OnlineSoftmax(s, m_run, l_run, alpha);
-      uint4* hp = reinterpret_cast<uint4*>(smem + kOffKr + st * kKrBytes);
+      // The handoff goes into the other consumer's K block of this stage (its half group: read
+      // by S_i's second half, retired).
+      uint4* hp = reinterpret_cast<uint4*>(smem + kOffKr + st * kKrBytes +
+                                           (1 - c) * kColBlockBytes);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         sf::PackPFragment(s, kk, pa[kk]);
