@@ -106,7 +106,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // (see "Half groups" above). hand[s] = bar_hand + 8 s.
   const uint32_t bar_full = bar_q + 8, bar_empty = bar_q + 40, bar_hand = bar_q + 72;
 
-  const int tid = threadIdx.x, wg = tid / 128;
+  const int tid = threadIdx.x;
+  // Warp-uniform to the compiler (CUTLASS's canonical_warp_group_idx): the consumers branch on
+  // their index around wgmmas, and a branch ptxas must assume divergent serializes every wgmma
+  // of the kernel (C7518: a wait after each one).
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int h = blockIdx.y, b = blockIdx.z;
   const int G = p.hq / p.hkv;
   const int rows_total = p.t * G;  // fits int32: the FFI handler checks it
@@ -256,21 +260,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (!visible) x = NegInf();
     };
 
-    bool pending = false;  // the other consumer's last tile, not yet added
-    int pending_tile = 0;
-    int i = 0;
-    for (KeyTileCursor<kBlockN> tile = first_tile; tile.valid(); tile.Advance(), ++i) {
-      if ((i & 1) != c) {
-        pending = true;
-        pending_tile = i;
-        continue;
-      }
-      const int64_t kpos0 = tile.kpos0();
-      const int keys_left = tile.keys_left();
+    // Own tile i (stage c) at positions kpos0.., keys_left of them in its segment. kPending
+    // (compile time: a wgmma under a branch ptxas cannot prove uniform serializes every wgmma
+    // of the kernel, C7518): whether the other consumer's tile i - 1 is added in between; true
+    // for every own tile but consumer 0's first.
+    auto own_tile = [&](int i, int64_t kpos0, int keys_left, auto with_pending) {
+      constexpr bool kPending = decltype(with_pending)::value;
       const uint32_t st = i & 1;  // == c
-
-      // 1. S_i over this consumer's half of D (group (c, c), released by its own P V two
-      // tiles back: usually loaded).
       // `first`: the half that starts S (its first wgmma ignores the accumulators).
       auto issue_s_half = [&](int hh, auto first) {
         uint32_t qb = sQ + 4 * hh * kColBlockBytes;
@@ -293,25 +289,26 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         hx::wgmma_commit();
       };
+      // 1. S_i over this consumer's half of D (group (c, c), released by its own P V two
+      // tiles back: usually loaded).
       hx::fence_operands(s);
       hx::mbar_wait(bar_full + 16 * st + 8 * c, (i >> 1) & 1);
       issue_s_half(c, std::true_type{});
       // 2. The other consumer's tile i - 1, as soon as its P is handed over.
-      if (pending) {
-        take_handoff(pending_tile);
-        issue_pv(pending_tile);
+      if constexpr (kPending) {
+        take_handoff(i - 1);
+        issue_pv(i - 1);
       }
       // 3. S_i over the other half of D (group (c, 1 - c): released by the other consumer's
       // P V two tiles back).
       hx::mbar_wait(bar_full + 16 * st + 8 * (1 - c), (i >> 1) & 1);
       issue_s_half(1 - c, std::false_type{});
-      if (pending) {
+      if constexpr (kPending) {
         // The first half of S and P V_{i-1} retired: this consumer's group of tile i - 1 (its
         // V half and the handoff it read) goes back to the producer, for tile i + 1.
         hx::wgmma_wait<1>();
         fence_pv_operands();
-        release(pending_tile);
-        pending = false;
+        release(i - 1);
       }
       hx::wgmma_wait<0>();
       hx::fence_operands(s);
@@ -340,13 +337,31 @@ __global__ void __launch_bounds__(kThreads, 1)
       // TMA refills these bytes (tile i + 2's K blocks) once the stage is released.
       hx::fence_proxy_async_shared();
       hx::mbar_arrive(bar_hand + 8 * st);
-      // 5. and 6.
+      // 5. P_i V_i.
       sf::RescaleRows(o, alpha);
       issue_pv(i);
       hx::wgmma_wait<0>();
       fence_pv_operands();
       release(i);
+    };
+
+    KeyTileCursor<kBlockN> tile = first_tile;
+    int i = 0;
+    if (c == 0) {  // tile 0: nothing before it
+      own_tile(0, tile.kpos0(), tile.keys_left(), std::false_type{});
+      tile.Advance();
+      i = 1;
     }
+    bool pending = false;  // the other consumer's latest tile, not yet added
+    for (; tile.valid(); tile.Advance(), ++i) {
+      if ((i & 1) != c) {
+        pending = true;
+        continue;
+      }
+      own_tile(i, tile.kpos0(), tile.keys_left(), std::true_type{});
+      pending = false;
+    }
+    const int pending_tile = i - 1;  // the last tile
     if (pending) {  // the CTA's last tile is the other consumer's
       take_handoff(pending_tile);
       issue_pv(pending_tile);
