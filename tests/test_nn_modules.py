@@ -117,6 +117,49 @@ class AttentionTest(parameterized.TestCase):
         if via_ffi:
             self.assertEqual(calls[0], dict(scale=1.0, causal=True, window=2, q_offset=3, kv_offset=3))
 
+    @parameterized.product(backend=("auto", "mila", "reference"),
+                           case=((16, jnp.float32, 3), (256, jnp.bfloat16, 64),
+                                 (512, jnp.bfloat16, 64), (512, jnp.bfloat16, 0)))
+    def test_rotary_keys_only_reads_v_outside_the_rotated_columns(self, backend, case):
+        d, dtype, r = case
+        q, k, v = self._qkv(d, dtype, hq=4, hkv=1)
+        attn = nn.Attention(scale=None, backend=backend, rotary_keys_only=r)
+        self.assertEqual(attn.rotary_keys_only, r)
+        got, got_lse = attn(q, k, v, window=5, q_offset=2, kv_offset=2, return_lse=True)
+        keys = reference.keys_except_rotary(k, v, r)
+        col = np.arange(d) % (d // 2)
+        np.testing.assert_array_equal(np.asarray(keys[..., col < r], np.float32),
+                                      np.asarray(k[..., col < r], np.float32))
+        np.testing.assert_array_equal(np.asarray(keys[..., col >= r], np.float32),
+                                      np.asarray(v[..., col >= r], np.float32))
+        want, want_lse = reference.flash_attention(q, keys, v, causal=True, window=5, q_offset=2,
+                                                   kv_offset=2, return_lse=True)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   atol=2e-2, rtol=2e-2)
+        np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), atol=2e-2, rtol=1e-3)
+        # The flag matters (k and v differ outside the rotated columns): plain attention differs.
+        plain = nn.Attention(scale=None, backend=backend)(q, k, v, window=5, q_offset=2,
+                                                         kv_offset=2)
+        self.assertGreater(float(jnp.max(jnp.abs(plain.astype(jnp.float32) - want))), 0.1)
+
+    @parameterized.parameters(("mila", 512, jnp.bfloat16, True), ("auto", 16, jnp.float32, False),
+                              ("reference", 256, jnp.bfloat16, False))
+    def test_rotary_keys_only_reaches_the_ffi_and_the_reference(self, backend, d, dtype, via_ffi):
+        q, k, v = self._qkv(d, dtype, t=2, s=2)
+        with mock.patch.object(ffi, "flash_attention", wraps=ffi.flash_attention) as to_ffi, \
+                mock.patch.object(reference, "flash_attention",
+                                  wraps=reference.flash_attention) as to_ref:
+            nn.Attention(scale=1.0, backend=backend, rotary_keys_only=8)(q, k, v, window=2)
+        self.assertEqual(to_ffi.called, via_ffi)
+        first = (to_ffi if via_ffi else to_ref).call_args_list[0]
+        self.assertEqual(first.kwargs["rotary_keys_only"], 8)
+
+    def test_rotary_keys_only_is_validated(self):
+        self.assertIsNone(nn.Attention(scale=1.0).rotary_keys_only)
+        for bad in (-1, True, 1.5, "64"):
+            with self.assertRaisesRegex(ValueError, "rotary_keys_only"):
+                nn.Attention(scale=1.0, rotary_keys_only=bad)
+
     def test_fallback_is_logged_once(self):
         q, k, v = self._qkv(24, jnp.float32)
         attn = nn.Attention(scale=1.0, backend="auto")

@@ -8,12 +8,19 @@ Traps (each breaks parity on its own):
 - KV-shared layers compute only Q and attend over the already normed and RoPE'd K/V of their
   source layer (same positions, same mask); they own no k/v weights and no cache entry.
 - Sliding window W: a query sees itself and the W - 1 previous tokens.
+
+K=V layers fold k_norm's weight into q (backends with kernels): outside the columns RoPE
+rotates, K = V * w_k (cos 1, sin 0 there), so q . K = sum_rot q_d K_d + sum_other (q_d w_k[d]) V_d.
+q is normed with w_q * w_k outside the rotated columns and the attention reads k only in them,
+v elsewhere (nn.Attention rotary_keys_only). Same scores up to rounding; the cache and the K/V
+that KV-shared layers read stay the plain K and V (those layers attend without the fold).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jax_mila import nn
@@ -46,7 +53,35 @@ class Gemma4Attention(nnx.Module):
             if not self.k_eq_v:
                 self.v_proj = nn.Linear(h, kv_dim, **lin)
         self.o_proj = nn.Linear(q_dim, h, **lin)
-        self.attn = nn.Attention(scale=1.0, backend=backend)
+        # K=V layers: k_norm's weight folded into q, the scores read K only in the rotated
+        # columns (module docstring). On Hopper at D=512, r=64 the attention kernel then loads
+        # 80 instead of 128 KB per 64-key tile (V plus K's two rotated blocks, ffi/attention.py).
+        # self.attn.rotary_keys_only is the one switch: q_norm_weight() folds where it is set.
+        self.attn = nn.Attention(scale=1.0, backend=backend,
+                                 rotary_keys_only=self._fold_rotated(cfg, spec, backend))
+
+    def _fold_rotated(self, cfg: Gemma4Config, spec: LayerSpec, backend: str) -> int | None:
+        """The rotated pairs r of this layer's RoPE where it folds k_norm into q, else None:
+        K=V layers that own their K/V, with weighted q and k norms, on a backend with kernels
+        ("reference" keeps the plain model), and only where RoPE leaves columns unrotated."""
+        if (not self.k_eq_v or self.is_kv_shared or backend == "reference"
+                or not (self.q_norm.with_scale and self.k_norm.with_scale)):
+            return None
+        r = cfg.rope[spec.layer_type].rotated
+        return r if 0 <= r < self.head_dim // 2 else None
+
+    def q_norm_weight(self) -> jax.Array | None:
+        """The weight q is normed with where it differs from q_norm's: on folding layers
+        (rotary_keys_only set on self.attn) w_q * w_k outside the rotated columns (col % (D/2)
+        >= r), w_q in them, in float32 (the product of two bf16 or float32 weights; the fused
+        op and nn.rms_norm multiply in float32 anyway). None: q_norm's own weight."""
+        r = self.attn.rotary_keys_only
+        if r is None:
+            return None
+        rotated = np.arange(self.head_dim) % (self.head_dim // 2) < r  # static [D] mask
+        w_q = self.q_norm.weight[...].astype(jnp.float32)
+        w_k = self.k_norm.weight[...].astype(jnp.float32)
+        return w_q * jnp.where(rotated, jnp.float32(1), w_k)
 
     def input_projections(self) -> tuple[nn.Linear, ...]:
         """The projections of the layer's input x: q_proj, and k_proj / v_proj where the layer
@@ -73,7 +108,7 @@ class Gemma4Attention(nnx.Module):
         # Head counts from the arrays: under tensor parallelism this device holds a slice of the
         # heads (jax_mila/parallel/tensor.py).
         q = nn.project(self.q_proj, x).reshape(b, t, -1, self.head_dim)
-        q = norm_rope(self.q_norm, q, cos, sin, backend=self.backend)
+        q = norm_rope(self.q_norm, q, cos, sin, backend=self.backend, weight=self.q_norm_weight())
         new_entry = None
         if self.is_kv_shared:
             k, v, kv_offset = shared

@@ -26,6 +26,7 @@ from jax_mila import ffi
 from jax_mila.ffi import norm_rope as ffi_norm_rope
 from jax_mila.ffi._registry import log_fallback
 from jax_mila.gemma4.config import RopeSpec
+from jax_mila.nn.norm import rms_norm
 
 
 def inv_freq(spec: RopeSpec) -> np.ndarray:
@@ -71,15 +72,22 @@ def fused_unsupported_reason(x: jax.Array, weight: jax.Array | None, cos: jax.Ar
     return None
 
 
-def norm_rope(norm, x: jax.Array, cos: jax.Array, sin: jax.Array, *, backend: str) -> jax.Array:
+def norm_rope(norm, x: jax.Array, cos: jax.Array, sin: jax.Array, *, backend: str,
+              weight: jax.Array | None = None) -> jax.Array:
     """``apply_rope(norm(x), cos, sin)`` for an nn.RMSNorm ``norm`` and x [B, T, H, D]: one op,
     jax_mila.ffi.rms_norm_rope (the kernel on GPU, its reference elsewhere), on a backend with
     kernels where it takes the call (else it logs why, once per reason); the two steps on
-    "reference"."""
+    "reference".
+
+    ``weight`` [D] (bf16 or float32), if given, replaces the norm's own weight on both paths
+    (Gemma 4's K=V layers norm q with k_norm's weight folded in: jax_mila/gemma4/attention.py);
+    the norm's eps stays. As in nn.rms_norm, it multiplies in float32 and the normed values are
+    rounded once to x's dtype."""
     if backend != "reference":
-        weight = norm.weight[...] if norm.with_scale else None
-        reason = fused_unsupported_reason(x, weight, cos)
+        w = weight if weight is not None else (norm.weight[...] if norm.with_scale else None)
+        reason = fused_unsupported_reason(x, w, cos)
         if reason is None:
-            return ffi.rms_norm_rope(x, weight, cos, sin, eps=norm.eps)
+            return ffi.rms_norm_rope(x, w, cos, sin, eps=norm.eps)
         log_fallback(ffi_norm_rope.OP, reason, instead="the unfused norm and RoPE")
-    return apply_rope(norm(x), cos, sin)
+    normed = norm(x) if weight is None else rms_norm(x, weight, norm.eps)
+    return apply_rope(normed, cos, sin)

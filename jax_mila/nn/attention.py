@@ -60,11 +60,27 @@ def kernel_unsupported_reason(q: jax.Array, k: jax.Array, v: jax.Array,
 
 
 class Attention(nnx.Module):
-    """Causal (optionally sliding-window) attention with a fixed ``scale`` (Gemma 4: 1.0)."""
+    """Causal (optionally sliding-window) attention with a fixed ``scale`` (Gemma 4: 1.0).
 
-    def __init__(self, *, scale: float | None, backend: str = "auto"):
+    ``rotary_keys_only=r`` (None: off): the scores read k only in the columns RoPE rotates,
+    [0:r] and [D/2 : D/2 + r] of the half-split layout, and v in every other column
+    (jax_mila.reference.keys_except_rotary); the values are v as usual. Exact for Gemma 4's
+    K=V layers once k_norm's weight is folded into q outside those columns
+    (jax_mila/gemma4/attention.py); on Hopper at D=512, r=64 the kernel then loads V and only
+    K's rotated blocks (jax_mila/ffi/attention.py). Passed to the kernel path and to the
+    reference alike.
+    """
+
+    def __init__(self, *, scale: float | None, backend: str = "auto",
+                 rotary_keys_only: int | None = None):
+        if rotary_keys_only is not None and (isinstance(rotary_keys_only, bool)
+                                             or not isinstance(rotary_keys_only, (int, np.integer))
+                                             or rotary_keys_only < 0):
+            raise ValueError(f"nn.Attention: rotary_keys_only must be None or an int >= 0, got "
+                             f"{rotary_keys_only!r}")
         self.scale = scale
         self.backend = check_backend(backend)
+        self.rotary_keys_only = None if rotary_keys_only is None else int(rotary_keys_only)
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
                  q_offset=0, kv_offset=0, return_lse: bool = False):
@@ -74,6 +90,8 @@ class Attention(nnx.Module):
                       kv_offset=kv_offset)
         if return_lse:
             kwargs["return_lse"] = True
+        if self.rotary_keys_only is not None:
+            kwargs["rotary_keys_only"] = self.rotary_keys_only
         if self.backend != "reference":
             reason = kernel_unsupported_reason(q, k, v, window,
                                                kv_segments=int(np.size(kv_offset)))
