@@ -85,6 +85,12 @@ def assert_same_cache(test, a, b):
             np.testing.assert_allclose(x, y, atol=1e-5 * scale, rtol=0, err_msg=f"buffer {i}")
 
 
+def _recorded(fn, calls, *args):
+    out = fn(*args)
+    calls.append(out)
+    return out
+
+
 class ChunkedPrefillTest(parameterized.TestCase):
 
     def setUp(self):
@@ -166,6 +172,27 @@ class ChunkedPrefillTest(parameterized.TestCase):
         # Another prompt length (3 chunks, last with 1 real token) reuses the same step.
         gemma4.prefill(model, ids[:, :15], chunk_size=7, max_cache_len=40)
         self.assertEqual(gen.chunk_step_fn(model)._cache_size() - before, 1)
+
+    def test_the_head_runs_once_after_the_chunks(self):
+        # Each chunk step returns the last real token's hidden state; prefill applies the output
+        # head (the product with the whole vocabulary) once, with the step's compile options.
+        model = tiny_model()
+        ids = prompt(0, 11)
+        ref, _ = gemma4.prefill(model, ids, max_cache_len=12)
+        steps, heads = [], []
+        step, head = gen.chunk_step_fn(model), gen._head_fn(model)
+        record_step = lambda *a: _recorded(step, steps, *a)  # noqa: E731
+        record_head = lambda *a: _recorded(head, heads, *a)  # noqa: E731
+        with mock.patch.object(gen, "chunk_step_fn", return_value=record_step), \
+             mock.patch.object(gen, "_head_fn", return_value=record_head):
+            logits, _ = gemma4.prefill(model, ids, chunk_size=4, max_cache_len=12)
+        self.assertEqual(len(steps), 3)
+        hidden = (ids.shape[0], model.config.hidden_size)  # not the vocabulary's logits
+        self.assertNotEqual(model.config.hidden_size, model.config.vocab_size)
+        self.assertEqual([out[0].shape for out in steps], [hidden] * 3)
+        self.assertEqual(len(heads), 1)
+        assert_close_logits(logits, ref)
+        self.assertIs(head, gen._head_kernels if model.backend != "reference" else gen._head)
 
     def test_progress_bar(self):
         model = tiny_model()
