@@ -10,6 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def is_int(x) -> bool:
+    """A Python or NumPy integer, not a bool (an int subclass that no integer argument means)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
 def fail(op: str, arg: str, msg: str) -> None:
     raise ValueError(f"jax_mila.{op}: {arg}: {msg}")
 

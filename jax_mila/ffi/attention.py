@@ -95,7 +95,7 @@ def _validate(q, k, v, scale, causal, window, q_offset, kv_offset, rotary_keys_o
     if scale is not None and not np.isfinite(scale):
         _checks.fail(OP, "scale", f"must be a finite Python float, got {scale!r}")
     if window is not None:
-        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        if not _checks.is_int(window) or window < 1:
             _checks.fail(OP, "window", f"must be None or an int >= 1, got {window!r}")
         if not causal:
             _checks.fail(OP, "window", "a sliding window needs causal=True")
@@ -113,8 +113,7 @@ def _validate(q, k, v, scale, causal, window, q_offset, kv_offset, rotary_keys_o
         _checks.fail(OP, "kv_offset", f"segmented keys ({segments[0]} segment starts) are "
                                       f"supported for head dim 512 only; got head dim {d}")
     r = rotary_keys_only
-    if r is not None and (isinstance(r, bool) or not isinstance(r, (int, np.integer))
-                          or not 0 <= r <= d // 2):
+    if r is not None and (not _checks.is_int(r) or not 0 <= r <= d // 2):
         _checks.fail(OP, "rotary_keys_only", f"must be None or an int in [0, D/2 = {d // 2}] "
                                              f"(rotated pairs of the half-split RoPE), got {r!r}")
 

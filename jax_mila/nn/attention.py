@@ -24,6 +24,7 @@ from flax import nnx
 
 from jax_mila import ffi, reference
 from jax_mila.ffi import attention as ffi_attention
+from jax_mila.ffi._checks import is_int
 from jax_mila.ffi._registry import log_fallback
 from jax_mila.nn.backend import check_backend
 
@@ -51,8 +52,7 @@ def kernel_unsupported_reason(q: jax.Array, k: jax.Array, v: jax.Array,
     if hq % hkv or hq // hkv > KERNEL_MAX_GROUPS:
         return (f"{hq} query heads over {hkv} KV heads (the kernels take a multiple of the KV "
                 f"heads, at most {KERNEL_MAX_GROUPS} per KV head)")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer))
-                               or window < 1):
+    if window is not None and (not is_int(window) or window < 1):
         return f"window={window!r} (the kernels take None or an int >= 1)"
     if kv_segments > 1 and d != 512:
         return f"{kv_segments} key segments at head_dim={d} (segmented keys: head_dim 512 only)"
@@ -73,8 +73,7 @@ class Attention(nnx.Module):
 
     def __init__(self, *, scale: float | None, backend: str = "auto",
                  rotary_keys_only: int | None = None):
-        if rotary_keys_only is not None and (isinstance(rotary_keys_only, bool)
-                                             or not isinstance(rotary_keys_only, (int, np.integer))
+        if rotary_keys_only is not None and (not is_int(rotary_keys_only)
                                              or rotary_keys_only < 0):
             raise ValueError(f"nn.Attention: rotary_keys_only must be None or an int >= 0, got "
                              f"{rotary_keys_only!r}")

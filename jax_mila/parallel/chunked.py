@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_mila.ffi._checks import is_int
 from jax_mila.parallel._scope import TraceScope
 
 # Segments per device: more balance the causal work of each chunk better (2 devices, 128K,
@@ -76,8 +77,7 @@ def active_axis() -> str | None:
 # ------------------------------------------------------------------------------ the layout
 
 def check_segments(segments: int) -> None:
-    if isinstance(segments, bool) or not isinstance(segments, (int, np.integer)) \
-            or segments < 2 or segments % 2:
+    if not is_int(segments) or segments < 2 or segments % 2:
         raise ValueError(f"context parallel: segments per device must be an even int >= 2 "
                          f"(zig-zag pairs), got {segments!r}")
 
