@@ -1,7 +1,8 @@
 // Online-softmax steps on a Hopper wgmma accumulator fragment, shared by the sm_90a attention
-// kernels (flash256_sm90, flash512_sm90). Layout (m64nN, fp32, one warp's 16 rows): element
-// 4j + {0, 1} belongs to row g = lane / 4, elements 4j + {2, 3} to row g + 8, columns
-// 8j + 2 (lane % 4) + {0, 1}; a row's values are spread over the 4 lanes of its quad.
+// kernels (flash256_sm90, flash512_sm90, flash512_sm90_seesaw). Layout (m64nN, fp32, one
+// warp's 16 rows): element 4j + {0, 1} belongs to row g = lane / 4, elements 4j + {2, 3} to
+// row g + 8, columns 8j + 2 (lane % 4) + {0, 1}; a row's values are spread over the 4 lanes of
+// its quad.
 #pragma once
 
 #include <cstdint>
@@ -41,6 +42,47 @@ __device__ __forceinline__ void OnlineSoftmax(float (&s)[32], float (&m_run)[2],
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rowsum[r];
+}
+
+// OnlineSoftmaxLazy's slack in log2 units: a row's maximum stays put while a tile's exceeds it by
+// at most this much, so P = exp2(s - m) <= 2^8. bf16 P keeps its relative precision at that
+// size, and the fp32 l and O carry the same factor, which O / l cancels.
+constexpr float kLazyMaxSlack = 8.f;
+
+// OnlineSoftmax with a lazy maximum (FlashAttention-4's conditional rescaling): a row's m moves
+// only when the tile's row maximum exceeds it by more than kLazyMaxSlack, and then to that
+// maximum; otherwise its alpha is exactly 1. Returns whether any row of the warp moved
+// (warp-uniform), i.e. whether O needs RescaleRows at all: on most tiles it does not.
+__device__ __forceinline__ bool OnlineSoftmaxLazy(float (&s)[32], float (&m_run)[2],
+                                                  float (&l_run)[2], float (&alpha)[2]) {
+  float mx[2] = {NegInf(), NegInf()};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
+    mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
+  }
+  float base_r[2], rowsum[2] = {0.f, 0.f};
+  bool moved = false;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    // m = -inf (no visible key yet): -inf + slack is -inf, so the first finite maximum moves it,
+    // with alpha = exp2(-inf) = 0 (O and l are still 0).
+    const bool up = mx[r] > m_run[r] + kLazyMaxSlack;
+    alpha[r] = up ? ptx::exp2_approx(m_run[r] - mx[r]) : 1.f;
+    if (up) m_run[r] = mx[r];
+    moved |= up;
+    base_r[r] = m_run[r] == NegInf() ? 0.f : m_run[r];
+  }
+#pragma unroll
+  for (int e = 0; e < 32; ++e) {
+    s[e] = ptx::exp2_approx(s[e] - base_r[(e >> 1) & 1]);
+    rowsum[(e >> 1) & 1] += s[e];
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rowsum[r];
+  return __any_sync(0xffffffffu, moved);
 }
 
 // O *= alpha, row by row (rows g and g + 8).

@@ -40,6 +40,12 @@
 // release that lets TMA overwrite them.
 // Row sums: each consumer sums its own tiles' P, rescaled by every tile's alpha; the two sums
 // are added at the end (both relative to the same final maximum).
+// Instructions per tile: ncu (nineteenth round) put 58% of the consumers' time outside any
+// wait, 484 instructions a warp per tile, 128 of them O's rescale and ~190 the uniform
+// arithmetic that rebuilt each wgmma's descriptors. The default instance steps descriptors from
+// a base (hx::DescSw128) and keeps a lazy row maximum (sf::OnlineSoftmaxLazy), so O is rescaled
+// only on tiles that move a maximum of the warp by more than 2^8; the handoff carries the
+// maxima as before, and the other consumer skips its rescale on the same tiles.
 // (No watchdog on the waits: a trap in the consumers' wait loops made ptxas spill 800 bytes of
 // their registers.)
 #include <cuda.h>
@@ -47,6 +53,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "common/attention_params.h"
@@ -89,6 +97,12 @@ constexpr int kConsumerRegs = 240;
 
 using sf::NegInf;
 
+// kDescSteps: wgmma descriptors as a base plus each k-step's offset (hx::DescSw128) instead of
+// built from scratch per wgmma. kLazyMax: the row maximum moves only by more than
+// sf::kLazyMaxSlack, and O's rescale is skipped where no row of the warp moved. Both cut the
+// consumers' instructions per tile (ncu, nineteenth round: 484 a warp, 128 of them O's rescale
+// FMULs and ~190 uniform descriptor instructions), which sit on the chain between the tiles.
+template <bool kDescSteps, bool kLazyMax>
 __global__ void __launch_bounds__(kThreads, 1)
     Flash512Sm90SeesawKernel(const __grid_constant__ CUtensorMap tm_q,
                              const __grid_constant__ CUtensorMap tm_k,
@@ -212,9 +226,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("" : "+r"(vh));
       fence_pv_operands();
       hx::wgmma_fence();
+      const hx::DescSw128 dv0(vh, kColBlockBytes, 1024);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        const uint64_t dv = hx::desc_sw128(vh + kk * 16 * 128, kColBlockBytes, 1024);
+        const uint64_t dv = kDescSteps ? dv0.at(kk * 16 * 128)
+                                       : hx::desc_sw128(vh + kk * 16 * 128, kColBlockBytes, 1024);
         hx::wgmma_m64n256k16_rs_tb(o, pa[kk], dv);
       }
       hx::wgmma_commit();
@@ -225,11 +241,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       hx::mbar_wait(bar_hand + 8 * (tile & 1), (tile >> 1) & 1);
       const float* hm = hand_m + (tile & 1) * 64;
       float alpha[2];
+      bool moved = false;  // kLazyMax: whether the owner moved any row maximum of this warp
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float m_new = hm[row + 8 * r];
         const float base_r = m_new == NegInf() ? 0.f : m_new;
-        alpha[r] = px::exp2_approx(m_run[r] - base_r);
+        if constexpr (kLazyMax) {
+          const bool up = m_new != m_run[r];
+          alpha[r] = up ? px::exp2_approx(m_run[r] - base_r) : 1.f;
+          moved |= up;
+        } else {
+          alpha[r] = px::exp2_approx(m_run[r] - base_r);
+        }
         m_run[r] = m_new;
         l_run[r] *= alpha[r];
       }
@@ -244,7 +267,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         pa[kk][2] = v.z;
         pa[kk][3] = v.w;
       }
-      sf::RescaleRows(o, alpha);
+      if (!kLazyMax || __any_sync(0xffffffffu, moved)) sf::RescaleRows(o, alpha);
     };
     // Element e of S holds row 16wq+g (+8 if bit 1 of e), key kpos0 + 8(e/4) + 2t4 (+1 if bit
     // 0 of e): -inf where that key is not visible to that row (as in flash512_sm90.cu).
@@ -274,13 +297,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         uint32_t kb = sKr + st * kKrBytes + hh * kColBlockBytes;
         asm volatile("" : "+r"(qb), "+r"(vb), "+r"(kb));
         hx::wgmma_fence();
+        const hx::DescSw128 dq(qb, 16, 1024), dvb(vb, 16, 1024), dkb(kb, 16, 1024);
 #pragma unroll
         for (int kk = 0; kk < 16; ++kk) {
           const uint32_t off = (kk >> 2) * kColBlockBytes + (kk & 3) * 32;
           // Column block 4hh is K's rotated block (the group's K block); the others are V's.
-          const uint32_t kaddr = kk < 4 ? kb + (kk & 3) * 32 : vb + off;
-          const uint64_t da = hx::desc_sw128(qb + off, 16, 1024);
-          const uint64_t db = hx::desc_sw128(kaddr, 16, 1024);
+          uint64_t da, db;
+          if constexpr (kDescSteps) {
+            da = dq.at(off);
+            db = kk < 4 ? dkb.at((kk & 3) * 32) : dvb.at(off);
+          } else {
+            da = hx::desc_sw128(qb + off, 16, 1024);
+            db = hx::desc_sw128(kk < 4 ? kb + (kk & 3) * 32 : vb + off, 16, 1024);
+          }
           if (decltype(first)::value && kk == 0) {
             hx::wgmma_m64n64k16_ss<false>(s, da, db);
           } else {
@@ -320,7 +349,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int e = 0; e < 32; ++e) mask(s[e], e, kpos0, keys_left);
       }
       float alpha[2];
-      sf::OnlineSoftmax(s, m_run, l_run, alpha);
+      bool rescale = true;  // kLazyMax: false when no row maximum of this warp moved
+      if constexpr (kLazyMax) {
+        rescale = sf::OnlineSoftmaxLazy(s, m_run, l_run, alpha);
+      } else {
+        sf::OnlineSoftmax(s, m_run, l_run, alpha);
+      }
       // The handoff goes into the other consumer's K block of this stage (its half group: read
       // by S_i's second half, retired).
       uint4* hp = reinterpret_cast<uint4*>(smem + kOffKr + st * kKrBytes +
@@ -338,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       hx::fence_proxy_async_shared();
       hx::mbar_arrive(bar_hand + 8 * st);
       // 5. P_i V_i.
-      sf::RescaleRows(o, alpha);
+      if (rescale) sf::RescaleRows(o, alpha);
       issue_pv(i);
       hx::wgmma_wait<0>();
       fence_pv_operands();
@@ -410,6 +444,42 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+// Developer knob for A/B runs, read once per process: JAX_MILA_FLASH512_RK_VARIANT=base (the
+// nineteenth round's kernel), =desc (+ descriptor steps), anything else: both reductions.
+enum class SeesawVariant { kBase, kDescSteps, kLean };
+SeesawVariant Variant() {
+  static const SeesawVariant v = [] {
+    const char* env = std::getenv("JAX_MILA_FLASH512_RK_VARIANT");
+    const std::string name = env == nullptr ? "" : env;
+    return name == "base" ? SeesawVariant::kBase
+                          : name == "desc" ? SeesawVariant::kDescSteps : SeesawVariant::kLean;
+  }();
+  return v;
+}
+
+template <bool kDescSteps, bool kLazyMax>
+cudaError_t Launch(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
+                   const AttentionParams& p, int num_m_blocks, cudaStream_t stream) {
+  auto* kernel = Flash512Sm90SeesawKernel<kDescSteps, kLazyMax>;
+  cudaError_t err;
+  if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  kSmemBytes)) != cudaSuccess) {
+    return err;
+  }
+  // setmaxnreg moves registers within the CTA: refuse to launch (rather than hang in
+  // setmaxnreg.inc) unless the kernel was allocated the 168 registers a thread it needs.
+  cudaFuncAttributes attr{};
+  if ((err = cudaFuncGetAttributes(&attr, kernel)) != cudaSuccess) return err;
+  if (attr.numRegs * kThreads < 128 * kProducerRegs + 256 * kConsumerRegs) {
+    return cudaErrorInvalidConfiguration;
+  }
+  const ClusterLaunchConfig launch(
+      dim3(static_cast<unsigned>(num_m_blocks), static_cast<unsigned>(p.hkv),
+           static_cast<unsigned>(p.batch)),
+      dim3(kThreads), kSmemBytes, stream, 1);
+  return cudaLaunchKernelEx(&launch.cfg, kernel, tm_q, tm_k, tm_v, p, num_m_blocks);
+}
+
 }  // namespace
 
 cudaError_t LaunchFlashAttentionD512Sm90RotaryKeys(const AttentionParams& p, cudaStream_t stream) {
@@ -435,24 +505,14 @@ cudaError_t LaunchFlashAttentionD512Sm90RotaryKeys(const AttentionParams& p, cud
   const int64_t num_m_blocks = (rows + kBlockM - 1) / kBlockM;
   if (num_m_blocks > INT32_MAX - 1) return cudaErrorInvalidValue;
 
-  auto* kernel = Flash512Sm90SeesawKernel;
-  if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  kSmemBytes)) != cudaSuccess) {
-    return err;
+  switch (Variant()) {
+    case SeesawVariant::kBase:
+      return Launch<false, false>(tm_q, tm_k, tm_v, p, static_cast<int>(num_m_blocks), stream);
+    case SeesawVariant::kDescSteps:
+      return Launch<true, false>(tm_q, tm_k, tm_v, p, static_cast<int>(num_m_blocks), stream);
+    default:
+      return Launch<true, true>(tm_q, tm_k, tm_v, p, static_cast<int>(num_m_blocks), stream);
   }
-  // setmaxnreg moves registers within the CTA: refuse to launch (rather than hang in
-  // setmaxnreg.inc) unless the kernel was allocated the 168 registers a thread it needs.
-  cudaFuncAttributes attr{};
-  if ((err = cudaFuncGetAttributes(&attr, kernel)) != cudaSuccess) return err;
-  if (attr.numRegs * kThreads < 128 * kProducerRegs + 256 * kConsumerRegs) {
-    return cudaErrorInvalidConfiguration;
-  }
-  const ClusterLaunchConfig launch(
-      dim3(static_cast<unsigned>(num_m_blocks), static_cast<unsigned>(p.hkv),
-           static_cast<unsigned>(p.batch)),
-      dim3(kThreads), kSmemBytes, stream, 1);
-  return cudaLaunchKernelEx(&launch.cfg, kernel, tm_q, tm_k, tm_v, p,
-                            static_cast<int>(num_m_blocks));
 }
 
 }  // namespace mila
