@@ -15,7 +15,7 @@
 //
 // Shared memory: Q 64 KB (resident); per stage s = i % 2: V 64 KB and K's two rotated column
 // blocks 16 KB (S reads V for the other six); row maxima handed over, float [2][64]; 1 KB of
-// row sums for the end; 11 mbarriers. 224 KB + 1 KB + barriers.
+// row sums for the end; 15 mbarriers. 224 KB + 1 KB + barriers.
 //
 // Half groups: a stage is two groups h = 0, 1, each V's column blocks 4h..4h+3 plus K block h
 // (column block 4h), filled under full[s][h] and released under empty[s][h] by consumer h
@@ -86,8 +86,8 @@ constexpr int kOffV = kOffQ + kTileBytes;             // V stages 0, 1
 constexpr int kOffKr = kOffV + 2 * kTileBytes;        // K block stages 0, 1 (then P handoffs)
 constexpr int kOffM = kOffKr + 2 * kKrBytes;          // float [2][64]: handed-over row maxima
 constexpr int kOffL = kOffM + 2 * 64 * 4;             // float [2][64]: row sums at the end
-constexpr int kOffBar = kOffL + 2 * 64 * 4;           // q, full[2][2], empty[2][2], hand[2]
-constexpr int kSmemBytes = kOffBar + 11 * 8 + 1024;   // + slack to align the base
+constexpr int kOffBar = kOffL + 2 * 64 * 4;  // q, full[2][2][2], empty[2][2], hand[2]
+constexpr int kSmemBytes = kOffBar + 15 * 8 + 1024;   // + slack to align the base
 static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory per block is 227 KB");
 static_assert(4 * 128 * 16 <= static_cast<int>(kKrBytes), "P handoff must fit the K blocks");
 constexpr int kProducerRegs = 24;
@@ -102,7 +102,10 @@ using sf::NegInf;
 // sf::kLazyMaxSlack, and O's rescale is skipped where no row of the warp moved. Both cut the
 // consumers' instructions per tile (ncu, nineteenth round: 484 a warp, 128 of them O's rescale
 // FMULs and ~190 uniform descriptor instructions), which sit on the chain between the tiles.
-template <bool kDescSteps, bool kLazyMax>
+// kPartBarriers: each half group completes in two parts, so S starts once the K block and the
+// first V block have landed (a consumer needs its half of stage c again right after releasing
+// it: ncu's second-largest consumer wait, 10% of their samples).
+template <bool kDescSteps, bool kLazyMax, bool kPartBarriers>
 __global__ void __launch_bounds__(kThreads, 1)
     Flash512Sm90SeesawKernel(const __grid_constant__ CUtensorMap tm_q,
                              const __grid_constant__ CUtensorMap tm_k,
@@ -116,9 +119,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t sQ = base + kOffQ, sV = base + kOffV, sKr = base + kOffKr;
   const uint32_t bar_q = base + kOffBar;
   // Half-tile groups: group (s, h) = stage s's V column blocks 4h..4h+3 and K block h, filled
-  // under full[s][h] = bar_full + 16 s + 8 h and released under empty[s][h] by consumer h alone
-  // (see "Half groups" above). hand[s] = bar_hand + 8 s.
-  const uint32_t bar_full = bar_q + 8, bar_empty = bar_q + 40, bar_hand = bar_q + 72;
+  // under full[s][h][part] = bar_full + 16 (2 s + h) + 8 part and released under empty[s][h] =
+  // bar_empty + 8 (2 s + h) by consumer h alone (see "Half groups" above); without kPartBarriers
+  // part 0 covers the whole group. hand[s] = bar_hand + 8 s.
+  const uint32_t bar_full = bar_q + 8, bar_empty = bar_q + 72, bar_hand = bar_q + 104;
 
   const int tid = threadIdx.x;
   // Warp-uniform to the compiler (CUTLASS's canonical_warp_group_idx): the consumers branch on
@@ -139,7 +143,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     hx::mbar_init(bar_q, 1);
     for (int s = 0; s < 2; ++s) {
       for (int hh = 0; hh < 2; ++hh) {
-        hx::mbar_init(bar_full + 16 * s + 8 * hh, 1);
+        hx::mbar_init(bar_full + 32 * s + 16 * hh, 1);
+        hx::mbar_init(bar_full + 32 * s + 16 * hh + 8, 1);
         hx::mbar_init(bar_empty + 16 * s + 8 * hh, 4);  // consumer hh's 4 warps
       }
       hx::mbar_init(bar_hand + 8 * s, 128);  // every thread of the owning consumer
@@ -166,16 +171,25 @@ __global__ void __launch_bounds__(kThreads, 1)
         // the other half waits for the other consumer's P V of that tile.
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
-          const uint32_t hh = st ^ k, full = bar_full + 16 * st + 8 * hh;
+          const uint32_t hh = st ^ k, full = bar_full + 32 * st + 16 * hh;
           if (i >= 2) hx::mbar_wait(bar_empty + 16 * st + 8 * hh, ((i >> 1) - 1) & 1);
-          hx::mbar_arrive_expect_tx(full, kTileBytes / 2 + kColBlockBytes);
           const uint32_t v_dst = sV + st * kTileBytes + 4 * hh * kColBlockBytes;
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-            hx::tma_load_4d(v_dst + j * kColBlockBytes, &tm_v, full, (4 * hh + j) * 64, h,
+          auto load_v = [&](int j, uint32_t bar) {  // V's column block 4hh + j
+            hx::tma_load_4d(v_dst + j * kColBlockBytes, &tm_v, bar, (4 * hh + j) * 64, h,
                             tile.n0(), b);
+          };
+          // In the order S reads them: the K block (S's k-steps 0-3), V blocks 4hh+1..4hh+3,
+          // then V block 4hh, which only P V reads. With kPartBarriers the first two complete
+          // part 0, so S starts once 16 of the 40 KB have landed.
+          hx::mbar_arrive_expect_tx(full, (kPartBarriers ? 2 : 5) * kColBlockBytes);
           hx::tma_load_4d(sKr + st * kKrBytes + hh * kColBlockBytes, &tm_k, full, 256 * hh, h,
                           tile.n0(), b);
+          load_v(1, full);
+          const uint32_t rest = kPartBarriers ? full + 8 : full;
+          if (kPartBarriers) hx::mbar_arrive_expect_tx(rest, 3 * kColBlockBytes);
+          load_v(2, rest);
+          load_v(3, rest);
+          load_v(0, rest);
         }
       }
     }
@@ -291,15 +305,23 @@ __global__ void __launch_bounds__(kThreads, 1)
       constexpr bool kPending = decltype(with_pending)::value;
       const uint32_t st = i & 1;  // == c
       // `first`: the half that starts S (its first wgmma ignores the accumulators).
+      // Waits for the group's data (part by part with kPartBarriers: one commit group each).
       auto issue_s_half = [&](int hh, auto first) {
+        const uint32_t full = bar_full + 32 * st + 16 * hh, parity = (i >> 1) & 1;
         uint32_t qb = sQ + 4 * hh * kColBlockBytes;
         uint32_t vb = sV + st * kTileBytes + 4 * hh * kColBlockBytes;
         uint32_t kb = sKr + st * kKrBytes + hh * kColBlockBytes;
         asm volatile("" : "+r"(qb), "+r"(vb), "+r"(kb));
-        hx::wgmma_fence();
         const hx::DescSw128 dq(qb, 16, 1024), dvb(vb, 16, 1024), dkb(kb, 16, 1024);
+        hx::mbar_wait(full, parity);
+        hx::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 16; ++kk) {
+          if (kPartBarriers && kk == 8) {  // V blocks 4hh+2, 4hh+3: part 1
+            hx::wgmma_commit();
+            hx::mbar_wait(full + 8, parity);
+            hx::wgmma_fence();
+          }
           const uint32_t off = (kk >> 2) * kColBlockBytes + (kk & 3) * 32;
           // Column block 4hh is K's rotated block (the group's K block); the others are V's.
           uint64_t da, db;
@@ -321,7 +343,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       // 1. S_i over this consumer's half of D (group (c, c), released by its own P V two
       // tiles back: usually loaded).
       hx::fence_operands(s);
-      hx::mbar_wait(bar_full + 16 * st + 8 * c, (i >> 1) & 1);
       issue_s_half(c, std::true_type{});
       // 2. The other consumer's tile i - 1, as soon as its P is handed over.
       if constexpr (kPending) {
@@ -330,12 +351,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       // 3. S_i over the other half of D (group (c, 1 - c): released by the other consumer's
       // P V two tiles back).
-      hx::mbar_wait(bar_full + 16 * st + 8 * (1 - c), (i >> 1) & 1);
       issue_s_half(1 - c, std::false_type{});
       if constexpr (kPending) {
         // The first half of S and P V_{i-1} retired: this consumer's group of tile i - 1 (its
         // V half and the handoff it read) goes back to the producer, for tile i + 1.
-        hx::wgmma_wait<1>();
+        hx::wgmma_wait<kPartBarriers ? 2 : 1>();
         fence_pv_operands();
         release(i - 1);
       }
@@ -445,22 +465,25 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // Developer knob for A/B runs, read once per process: JAX_MILA_FLASH512_RK_VARIANT=base (the
-// nineteenth round's kernel), =desc (+ descriptor steps), anything else: both reductions.
-enum class SeesawVariant { kBase, kDescSteps, kLean };
+// nineteenth round's kernel), =desc (+ descriptor steps), =parts (+ descriptor steps, lazy
+// maximum and part barriers); anything else: descriptor steps and lazy maximum.
+enum class SeesawVariant { kBase, kDescSteps, kLean, kParts };
 SeesawVariant Variant() {
   static const SeesawVariant v = [] {
     const char* env = std::getenv("JAX_MILA_FLASH512_RK_VARIANT");
     const std::string name = env == nullptr ? "" : env;
-    return name == "base" ? SeesawVariant::kBase
-                          : name == "desc" ? SeesawVariant::kDescSteps : SeesawVariant::kLean;
+    return name == "base"    ? SeesawVariant::kBase
+           : name == "desc"  ? SeesawVariant::kDescSteps
+           : name == "parts" ? SeesawVariant::kParts
+                             : SeesawVariant::kLean;
   }();
   return v;
 }
 
-template <bool kDescSteps, bool kLazyMax>
+template <bool kDescSteps, bool kLazyMax, bool kPartBarriers>
 cudaError_t Launch(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
                    const AttentionParams& p, int num_m_blocks, cudaStream_t stream) {
-  auto* kernel = Flash512Sm90SeesawKernel<kDescSteps, kLazyMax>;
+  auto* kernel = Flash512Sm90SeesawKernel<kDescSteps, kLazyMax, kPartBarriers>;
   cudaError_t err;
   if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   kSmemBytes)) != cudaSuccess) {
@@ -505,13 +528,16 @@ cudaError_t LaunchFlashAttentionD512Sm90RotaryKeys(const AttentionParams& p, cud
   const int64_t num_m_blocks = (rows + kBlockM - 1) / kBlockM;
   if (num_m_blocks > INT32_MAX - 1) return cudaErrorInvalidValue;
 
+  const int blocks = static_cast<int>(num_m_blocks);
   switch (Variant()) {
     case SeesawVariant::kBase:
-      return Launch<false, false>(tm_q, tm_k, tm_v, p, static_cast<int>(num_m_blocks), stream);
+      return Launch<false, false, false>(tm_q, tm_k, tm_v, p, blocks, stream);
     case SeesawVariant::kDescSteps:
-      return Launch<true, false>(tm_q, tm_k, tm_v, p, static_cast<int>(num_m_blocks), stream);
+      return Launch<true, false, false>(tm_q, tm_k, tm_v, p, blocks, stream);
+    case SeesawVariant::kParts:
+      return Launch<true, true, true>(tm_q, tm_k, tm_v, p, blocks, stream);
     default:
-      return Launch<true, true>(tm_q, tm_k, tm_v, p, static_cast<int>(num_m_blocks), stream);
+      return Launch<true, true, false>(tm_q, tm_k, tm_v, p, blocks, stream);
   }
 }
 
