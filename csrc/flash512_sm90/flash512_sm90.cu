@@ -137,6 +137,7 @@
 #include "common/softmax_fragments.cuh"
 #include "common/tensor_map.h"
 #include "flash512_sm90/flash512_sm90.h"
+#include "flash512_sm90/flash512_sm90_launch.h"
 
 namespace mila {
 namespace {
@@ -167,6 +168,9 @@ constexpr int kOffBar = kOffXl + 2 * 64 * 4;             // 5 x uint64
 static_assert(kOffXp + 2 * 2 * 128 * 16 <= kOffXm, "exchange layout");
 constexpr int kSmemBytes = kOffBar + 5 * 8 + 1024;       // + slack to align the base
 static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory per block is 227 KB");
+static_assert(kD == flash512_sm90::kHeadDim && kBlockM == flash512_sm90::kTileRows &&
+                  kBlockN == flash512_sm90::kTileRows,
+              "PrepareLaunch's tensor maps are for these tiles");
 // setmaxnreg targets per variant (ptxas allocates each role's code within its target): the
 // sum 128 x producer + 256 x consumer must stay 64,512 = 384 x 168 (the launch allocation).
 // kCluster 1: 24 / 240 (the consumers spill at 232); kCluster 2: 40 / 232 (its multicast
@@ -651,12 +655,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// A 4-D bf16 tensor map {512, d1, d2, d3} (row-major, innermost first) with 128-byte swizzle.
-bool EncodeMap(tma::EncodeTiledFn encode, CUtensorMap* map, const void* ptr, uint64_t d1,
-               uint64_t d2, uint64_t d3, uint32_t box1, uint32_t box2) {
-  return tma::EncodeBf16Swizzled(encode, map, ptr, kD, d1, d2, d3, box1, box2);
-}
-
 // Developer knob, read once per process: JAX_MILA_FLASH512_SM90_CLUSTER=2 runs the 2-CTA
 // cluster variant (adjacent M tiles share every K/V tile through TMA multicast: half the
 // L2->SM traffic). Default 1: the kernel is bound by its serial chain per tile, which multicast
@@ -685,17 +683,10 @@ template <int kCluster, bool kSplit>
 cudaError_t LaunchKernel(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
                          const AttentionParams& p, int num_m_blocks, cudaStream_t stream) {
   auto* kernel = Flash512Sm90Kernel<kCluster, kSplit>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (err != cudaSuccess) return err;
-  // setmaxnreg moves registers within the CTA: the consumers' increase must be covered by what
-  // the producer releases, which holds only if the kernel was allocated 168 registers a thread
-  // (ptxas's choice under __launch_bounds__(384, 1)). Fewer would make setmaxnreg.inc wait
-  // forever: refuse to launch instead of hanging.
-  cudaFuncAttributes attr{};
-  if ((err = cudaFuncGetAttributes(&attr, kernel)) != cudaSuccess) return err;
-  if (attr.numRegs * kThreads < 128 * kProducerRegs<kCluster> + 256 * kConsumerRegs<kCluster>) {
-    return cudaErrorInvalidConfiguration;
+  if (const cudaError_t err = flash512_sm90::PrepareKernel(
+          kernel, kSmemBytes, kThreads, kProducerRegs<kCluster>, kConsumerRegs<kCluster>);
+      err != cudaSuccess) {
+    return err;
   }
   // kCluster 2: one cluster per pair of M tiles (an odd count leaves a CTA without rows).
   const int grid_x = kCluster == 1 ? num_m_blocks : 2 * ((num_m_blocks + 1) / 2);
@@ -709,32 +700,13 @@ cudaError_t LaunchKernel(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const
 }  // namespace
 
 cudaError_t LaunchFlashAttentionD512Sm90(const AttentionParams& p, cudaStream_t stream) {
-  int device = 0, major = 0, minor = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if ((err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device)) != cudaSuccess)
-    return err;
-  if ((err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device)) != cudaSuccess)
-    return err;
-  if (major != 9 || minor != 0) return cudaErrorInvalidDeviceFunction;
-  const int G = p.hq / p.hkv;
-  if (G <= 0 || kBlockM % G != 0) return cudaErrorInvalidConfiguration;
-  const tma::EncodeTiledFn encode = tma::Encoder();
-  if (encode == nullptr) return cudaErrorNotSupported;
-
-  CUtensorMap tm_q, tm_k, tm_v;
-  if (!EncodeMap(encode, &tm_q, p.q, p.hq, p.t, p.batch, G, kBlockM / G) ||
-      !EncodeMap(encode, &tm_k, p.k, p.hkv, p.s, p.batch, 1, kBlockN) ||
-      !EncodeMap(encode, &tm_v, p.v, p.hkv, p.s, p.batch, 1, kBlockN)) {
-    return cudaErrorInvalidValue;
+  flash512_sm90::LaunchSetup l;
+  if (const cudaError_t err = flash512_sm90::PrepareLaunch(p, &l); err != cudaSuccess) return err;
+  if (ClusterSize() == 2) {
+    return LaunchKernel<2, false>(l.tm_q, l.tm_k, l.tm_v, p, l.num_m_blocks, stream);
   }
-  const int64_t rows = static_cast<int64_t>(p.t) * G;
-  const int64_t num_m_blocks = (rows + kBlockM - 1) / kBlockM;
-  if (num_m_blocks > INT32_MAX - 1) return cudaErrorInvalidValue;
-  const int m_blocks = static_cast<int>(num_m_blocks);
-  if (ClusterSize() == 2) return LaunchKernel<2, false>(tm_q, tm_k, tm_v, p, m_blocks, stream);
-  return SplitSoftmax() ? LaunchKernel<1, true>(tm_q, tm_k, tm_v, p, m_blocks, stream)
-                        : LaunchKernel<1, false>(tm_q, tm_k, tm_v, p, m_blocks, stream);
+  return SplitSoftmax() ? LaunchKernel<1, true>(l.tm_q, l.tm_k, l.tm_v, p, l.num_m_blocks, stream)
+                        : LaunchKernel<1, false>(l.tm_q, l.tm_k, l.tm_v, p, l.num_m_blocks, stream);
 }
 
 }  // namespace mila

@@ -65,6 +65,7 @@
 #include "common/softmax_fragments.cuh"
 #include "common/tensor_map.h"
 #include "flash512_sm90/flash512_sm90.h"
+#include "flash512_sm90/flash512_sm90_launch.h"
 
 
 namespace mila {
@@ -89,6 +90,9 @@ constexpr int kOffL = kOffM + 2 * 64 * 4;             // float [2][64]: row sums
 constexpr int kOffBar = kOffL + 2 * 64 * 4;  // q, full[2][2][2], empty[2][2], hand[2]
 constexpr int kSmemBytes = kOffBar + 15 * 8 + 1024;   // + slack to align the base
 static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory per block is 227 KB");
+static_assert(kD == flash512_sm90::kHeadDim && kBlockM == flash512_sm90::kTileRows &&
+                  kBlockN == flash512_sm90::kTileRows,
+              "PrepareLaunch's tensor maps are for these tiles");
 static_assert(4 * 128 * 16 <= static_cast<int>(kKrBytes), "P handoff must fit the K blocks");
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
@@ -484,17 +488,10 @@ template <bool kDescSteps, bool kLazyMax, bool kPartBarriers>
 cudaError_t Launch(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
                    const AttentionParams& p, int num_m_blocks, cudaStream_t stream) {
   auto* kernel = Flash512Sm90SeesawKernel<kDescSteps, kLazyMax, kPartBarriers>;
-  cudaError_t err;
-  if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  kSmemBytes)) != cudaSuccess) {
+  if (const cudaError_t err =
+          flash512_sm90::PrepareKernel(kernel, kSmemBytes, kThreads, kProducerRegs, kConsumerRegs);
+      err != cudaSuccess) {
     return err;
-  }
-  // setmaxnreg moves registers within the CTA: refuse to launch (rather than hang in
-  // setmaxnreg.inc) unless the kernel was allocated the 168 registers a thread it needs.
-  cudaFuncAttributes attr{};
-  if ((err = cudaFuncGetAttributes(&attr, kernel)) != cudaSuccess) return err;
-  if (attr.numRegs * kThreads < 128 * kProducerRegs + 256 * kConsumerRegs) {
-    return cudaErrorInvalidConfiguration;
   }
   const ClusterLaunchConfig launch(
       dim3(static_cast<unsigned>(num_m_blocks), static_cast<unsigned>(p.hkv),
@@ -506,29 +503,10 @@ cudaError_t Launch(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUten
 }  // namespace
 
 cudaError_t LaunchFlashAttentionD512Sm90RotaryKeys(const AttentionParams& p, cudaStream_t stream) {
-  int device = 0, major = 0, minor = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if ((err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device)) != cudaSuccess)
-    return err;
-  if ((err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device)) != cudaSuccess)
-    return err;
-  if (major != 9 || minor != 0) return cudaErrorInvalidDeviceFunction;
-  const int G = p.hq / p.hkv;
-  if (G <= 0 || kBlockM % G != 0) return cudaErrorInvalidConfiguration;
-  const tma::EncodeTiledFn encode = tma::Encoder();
-  if (encode == nullptr) return cudaErrorNotSupported;
-  CUtensorMap tm_q, tm_k, tm_v;
-  if (!tma::EncodeBf16Swizzled(encode, &tm_q, p.q, kD, p.hq, p.t, p.batch, G, kBlockM / G) ||
-      !tma::EncodeBf16Swizzled(encode, &tm_k, p.k, kD, p.hkv, p.s, p.batch, 1, kBlockN) ||
-      !tma::EncodeBf16Swizzled(encode, &tm_v, p.v, kD, p.hkv, p.s, p.batch, 1, kBlockN)) {
-    return cudaErrorInvalidValue;
-  }
-  const int64_t rows = static_cast<int64_t>(p.t) * G;
-  const int64_t num_m_blocks = (rows + kBlockM - 1) / kBlockM;
-  if (num_m_blocks > INT32_MAX - 1) return cudaErrorInvalidValue;
-
-  const int blocks = static_cast<int>(num_m_blocks);
+  flash512_sm90::LaunchSetup l;
+  if (const cudaError_t err = flash512_sm90::PrepareLaunch(p, &l); err != cudaSuccess) return err;
+  const int blocks = l.num_m_blocks;
+  const CUtensorMap &tm_q = l.tm_q, &tm_k = l.tm_k, &tm_v = l.tm_v;
   switch (Variant()) {
     case SeesawVariant::kBase:
       return Launch<false, false, false>(tm_q, tm_k, tm_v, p, blocks, stream);
