@@ -137,7 +137,7 @@
 #include "common/softmax_fragments.cuh"
 #include "common/tensor_map.h"
 #include "flash512_sm90/flash512_sm90.h"
-#include "flash512_sm90/flash512_sm90_launch.h"
+#include "flash512_sm90/flash512_sm90_common.h"
 
 namespace mila {
 namespace {
@@ -145,13 +145,8 @@ namespace {
 namespace px = ::mila::ptx;
 namespace hx = ::mila::ptx::sm90;
 namespace sf = ::mila::softmax_fragments;
+using namespace ::mila::flash512_sm90;  // geometry (flash512_sm90_common.h)
 
-constexpr int kD = 512;
-constexpr int kBlockM = 64;
-constexpr int kBlockN = 64;
-constexpr int kThreads = 384;
-constexpr int kColBlockBytes = 64 * 64 * 2;        // one TMA box: 64 rows x 128 bytes
-constexpr uint32_t kTileBytes = 8 * kColBlockBytes;  // 64 x 512 bf16
 constexpr int kOffQ = 0;
 constexpr int kOffK = kOffQ + kTileBytes;
 constexpr int kOffV = kOffK + kTileBytes;
@@ -168,9 +163,6 @@ constexpr int kOffBar = kOffXl + 2 * 64 * 4;             // 5 x uint64
 static_assert(kOffXp + 2 * 2 * 128 * 16 <= kOffXm, "exchange layout");
 constexpr int kSmemBytes = kOffBar + 5 * 8 + 1024;       // + slack to align the base
 static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory per block is 227 KB");
-static_assert(kD == flash512_sm90::kHeadDim && kBlockM == flash512_sm90::kTileRows &&
-                  kBlockN == flash512_sm90::kTileRows,
-              "PrepareLaunch's tensor maps are for these tiles");
 // setmaxnreg targets per variant (ptxas allocates each role's code within its target): the
 // sum 128 x producer + 256 x consumer must stay 64,512 = 384 x 168 (the launch allocation).
 // kCluster 1: 24 / 240 (the consumers spill at 232); kCluster 2: 40 / 232 (its multicast
@@ -179,8 +171,6 @@ template <int kCluster>
 constexpr int kProducerRegs = kCluster == 1 ? 24 : 40;
 template <int kCluster>
 constexpr int kConsumerRegs = kCluster == 1 ? 240 : 232;
-[[maybe_unused]] constexpr float kLog2e = 1.4426950408889634f;
-[[maybe_unused]] constexpr float kLn2 = 0.6931471805599453f;
 
 using sf::NegInf;
 
@@ -683,7 +673,7 @@ template <int kCluster, bool kSplit>
 cudaError_t LaunchKernel(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
                          const AttentionParams& p, int num_m_blocks, cudaStream_t stream) {
   auto* kernel = Flash512Sm90Kernel<kCluster, kSplit>;
-  if (const cudaError_t err = flash512_sm90::PrepareKernel(
+  if (const cudaError_t err = PrepareKernel(
           kernel, kSmemBytes, kThreads, kProducerRegs<kCluster>, kConsumerRegs<kCluster>);
       err != cudaSuccess) {
     return err;
@@ -700,8 +690,8 @@ cudaError_t LaunchKernel(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const
 }  // namespace
 
 cudaError_t LaunchFlashAttentionD512Sm90(const AttentionParams& p, cudaStream_t stream) {
-  flash512_sm90::LaunchSetup l;
-  if (const cudaError_t err = flash512_sm90::PrepareLaunch(p, &l); err != cudaSuccess) return err;
+  LaunchSetup l;
+  if (const cudaError_t err = PrepareLaunch(p, &l); err != cudaSuccess) return err;
   if (ClusterSize() == 2) {
     return LaunchKernel<2, false>(l.tm_q, l.tm_k, l.tm_v, p, l.num_m_blocks, stream);
   }

@@ -65,7 +65,7 @@
 #include "common/softmax_fragments.cuh"
 #include "common/tensor_map.h"
 #include "flash512_sm90/flash512_sm90.h"
-#include "flash512_sm90/flash512_sm90_launch.h"
+#include "flash512_sm90/flash512_sm90_common.h"
 
 
 namespace mila {
@@ -74,13 +74,8 @@ namespace {
 namespace px = ::mila::ptx;
 namespace hx = ::mila::ptx::sm90;
 namespace sf = ::mila::softmax_fragments;
+using namespace ::mila::flash512_sm90;  // geometry (flash512_sm90_common.h)
 
-constexpr int kD = 512;
-constexpr int kBlockM = 64;
-constexpr int kBlockN = 64;
-constexpr int kThreads = 384;
-constexpr int kColBlockBytes = 64 * 64 * 2;         // one TMA box: 64 rows x 128 bytes
-constexpr uint32_t kTileBytes = 8 * kColBlockBytes;   // 64 x 512 bf16
 constexpr uint32_t kKrBytes = 2 * kColBlockBytes;     // K column blocks 0 and 4 of one tile
 constexpr int kOffQ = 0;
 constexpr int kOffV = kOffQ + kTileBytes;             // V stages 0, 1
@@ -90,14 +85,9 @@ constexpr int kOffL = kOffM + 2 * 64 * 4;             // float [2][64]: row sums
 constexpr int kOffBar = kOffL + 2 * 64 * 4;  // q, full[2][2][2], empty[2][2], hand[2]
 constexpr int kSmemBytes = kOffBar + 15 * 8 + 1024;   // + slack to align the base
 static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory per block is 227 KB");
-static_assert(kD == flash512_sm90::kHeadDim && kBlockM == flash512_sm90::kTileRows &&
-                  kBlockN == flash512_sm90::kTileRows,
-              "PrepareLaunch's tensor maps are for these tiles");
 static_assert(4 * 128 * 16 <= static_cast<int>(kKrBytes), "P handoff must fit the K blocks");
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
-[[maybe_unused]] constexpr float kLog2e = 1.4426950408889634f;
-[[maybe_unused]] constexpr float kLn2 = 0.6931471805599453f;
 
 using sf::NegInf;
 
@@ -489,7 +479,7 @@ cudaError_t Launch(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUten
                    const AttentionParams& p, int num_m_blocks, cudaStream_t stream) {
   auto* kernel = Flash512Sm90SeesawKernel<kDescSteps, kLazyMax, kPartBarriers>;
   if (const cudaError_t err =
-          flash512_sm90::PrepareKernel(kernel, kSmemBytes, kThreads, kProducerRegs, kConsumerRegs);
+          PrepareKernel(kernel, kSmemBytes, kThreads, kProducerRegs, kConsumerRegs);
       err != cudaSuccess) {
     return err;
   }
@@ -503,8 +493,8 @@ cudaError_t Launch(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUten
 }  // namespace
 
 cudaError_t LaunchFlashAttentionD512Sm90RotaryKeys(const AttentionParams& p, cudaStream_t stream) {
-  flash512_sm90::LaunchSetup l;
-  if (const cudaError_t err = flash512_sm90::PrepareLaunch(p, &l); err != cudaSuccess) return err;
+  LaunchSetup l;
+  if (const cudaError_t err = PrepareLaunch(p, &l); err != cudaSuccess) return err;
   const int blocks = l.num_m_blocks;
   const CUtensorMap &tm_q = l.tm_q, &tm_k = l.tm_k, &tm_v = l.tm_v;
   switch (Variant()) {

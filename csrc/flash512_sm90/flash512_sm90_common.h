@@ -1,6 +1,6 @@
-// Host setup shared by the two Hopper D=512 launchers (flash512_sm90.cu, and
-// flash512_sm90_seesaw.cu for rotary keys): the device check, the q / k / v tensor maps of
-// 64-row tiles, the number of M tiles, and the kernel attributes both need before a launch.
+// What the two Hopper D=512 kernels share (flash512_sm90.cu, and flash512_sm90_seesaw.cu for
+// rotary keys): the tile geometry, and the host setup of a launch (the device check, the
+// q / k / v tensor maps, the number of M tiles, the kernel attributes).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (types only)
@@ -13,8 +13,14 @@
 
 namespace mila::flash512_sm90 {
 
-constexpr int kHeadDim = 512;
-constexpr int kTileRows = 64;  // packed query rows per M tile, and keys per K/V tile
+constexpr int kD = 512;
+constexpr int kBlockM = 64;    // packed query rows per M tile (positions x query heads of a KV head)
+constexpr int kBlockN = 64;    // keys per K/V tile
+constexpr int kThreads = 384;  // a producer warpgroup and two consumers
+constexpr int kColBlockBytes = 64 * 64 * 2;          // one TMA box: 64 rows x 128 bytes
+constexpr uint32_t kTileBytes = 8 * kColBlockBytes;  // 64 x 512 bf16
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
 struct LaunchSetup {
   CUtensorMap tm_q, tm_k, tm_v;
@@ -40,19 +46,17 @@ inline cudaError_t PrepareLaunch(const AttentionParams& p, LaunchSetup* out) {
   }
   if (major != 9 || minor != 0) return cudaErrorInvalidDeviceFunction;
   const int G = p.hq / p.hkv;
-  if (G <= 0 || kTileRows % G != 0) return cudaErrorInvalidConfiguration;
+  if (G <= 0 || kBlockM % G != 0) return cudaErrorInvalidConfiguration;
   const tma::EncodeTiledFn encode = tma::Encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
-  if (!tma::EncodeBf16Swizzled(encode, &out->tm_q, p.q, kHeadDim, p.hq, p.t, p.batch, G,
-                               kTileRows / G) ||
-      !tma::EncodeBf16Swizzled(encode, &out->tm_k, p.k, kHeadDim, p.hkv, p.s, p.batch, 1,
-                               kTileRows) ||
-      !tma::EncodeBf16Swizzled(encode, &out->tm_v, p.v, kHeadDim, p.hkv, p.s, p.batch, 1,
-                               kTileRows)) {
+  if (!tma::EncodeBf16Swizzled(encode, &out->tm_q, p.q, kD, p.hq, p.t, p.batch, G,
+                               kBlockM / G) ||
+      !tma::EncodeBf16Swizzled(encode, &out->tm_k, p.k, kD, p.hkv, p.s, p.batch, 1, kBlockN) ||
+      !tma::EncodeBf16Swizzled(encode, &out->tm_v, p.v, kD, p.hkv, p.s, p.batch, 1, kBlockN)) {
     return cudaErrorInvalidValue;
   }
   const int64_t rows = static_cast<int64_t>(p.t) * G;
-  const int64_t num_m_blocks = (rows + kTileRows - 1) / kTileRows;
+  const int64_t num_m_blocks = (rows + kBlockM - 1) / kBlockM;
   if (num_m_blocks > INT32_MAX - 1) return cudaErrorInvalidValue;
   out->num_m_blocks = static_cast<int>(num_m_blocks);
   return cudaSuccess;
