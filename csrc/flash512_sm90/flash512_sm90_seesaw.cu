@@ -172,18 +172,27 @@ __global__ void __launch_bounds__(kThreads, 1)
             hx::tma_load_4d(v_dst + j * kColBlockBytes, &tm_v, bar, (4 * hh + j) * 64, h,
                             tile.n0(), b);
           };
-          // In the order S reads them: the K block (S's k-steps 0-3), V blocks 4hh+1..4hh+3,
-          // then V block 4hh, which only P V reads. With kPartBarriers the first two complete
-          // part 0, so S starts once 16 of the 40 KB have landed.
-          hx::mbar_arrive_expect_tx(full, (kPartBarriers ? 2 : 5) * kColBlockBytes);
-          hx::tma_load_4d(sKr + st * kKrBytes + hh * kColBlockBytes, &tm_k, full, 256 * hh, h,
-                          tile.n0(), b);
-          load_v(1, full);
-          const uint32_t rest = kPartBarriers ? full + 8 : full;
-          if (kPartBarriers) hx::mbar_arrive_expect_tx(rest, 3 * kColBlockBytes);
-          load_v(2, rest);
-          load_v(3, rest);
-          load_v(0, rest);
+          auto load_k = [&](uint32_t bar) {  // K's rotated column block 4hh
+            hx::tma_load_4d(sKr + st * kKrBytes + hh * kColBlockBytes, &tm_k, bar, 256 * hh, h,
+                            tile.n0(), b);
+          };
+          if constexpr (kPartBarriers) {
+            // In the order S reads them: part 0 = the K block (S's k-steps 0-3) and V block
+            // 4hh+1, so S starts once 16 of the 40 KB have landed; part 1 = V blocks 4hh+2,
+            // 4hh+3, then 4hh, which only P V reads.
+            hx::mbar_arrive_expect_tx(full, 2 * kColBlockBytes);
+            load_k(full);
+            load_v(1, full);
+            hx::mbar_arrive_expect_tx(full + 8, 3 * kColBlockBytes);
+            load_v(2, full + 8);
+            load_v(3, full + 8);
+            load_v(0, full + 8);
+          } else {
+            hx::mbar_arrive_expect_tx(full, 5 * kColBlockBytes);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) load_v(j, full);
+            load_k(full);
+          }
         }
       }
     }
