@@ -107,6 +107,9 @@ CASES = (
     ("window100_b2_gqa4", 2, 300, 333, 8, 2, True, 100, 0, 0, 0.05),
     ("noncausal_gqa1", 1, 130, 200, 2, 2, False, 0, 0, 0, 0.05),
     ("masked_rows_gqa2", 1, 40, 70, 2, 1, True, 0, 0, 30, 0.1),
+    # Any finite scale is in the contract: a negative one turns the row maxima into minima of
+    # the raw scores (the kernels scale before taking them).
+    ("negative_scale_gqa16", 1, 100, 100, 16, 1, True, 0, 0, 0, -0.05),
 )
 
 
