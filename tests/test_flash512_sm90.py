@@ -185,7 +185,7 @@ class Sm90VersusMmaSyncGpuTest(parameterized.TestCase):
         k = jnp.zeros((1, s, 1, 512), jnp.float32).at[0, :, 0, 0].set(rising).astype(jnp.bfloat16)
         v = jax.random.normal(jax.random.key(seed), (1, s, 1, 512), jnp.float32).astype(jnp.bfloat16)
         qo, ko = s - t, 0
-        kw = dict(scale=1.0, causal=True, window=None)
+        kw = dict(scale=1.0, causal=True, window=0)
         call = testing.attention_target_call
         o1, l1 = testing.call_with_poisoned_outputs(lambda *a: call(ROTARY, *a, **kw),
                                                     q, k, v, qo, ko)
