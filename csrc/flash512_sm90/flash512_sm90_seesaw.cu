@@ -15,7 +15,7 @@
 //
 // Shared memory: Q 64 KB (resident); per stage s = i % 2: V 64 KB and K's two rotated column
 // blocks 16 KB (S reads V for the other six); row maxima handed over, float [2][64]; 1 KB of
-// row sums for the end; 15 mbarriers. 224 KB + 1 KB + barriers.
+// row sums for the end; 11 mbarriers. 224 KB + 1 KB + barriers.
 //
 // Half groups: a stage is two groups h = 0, 1, each V's column blocks 4h..4h+3 plus K block h
 // (column block 4h), filled under full[s][h] and released under empty[s][h] by consumer h
@@ -24,7 +24,7 @@
 // stage returns to the producer as soon as its consumer is done with it, and the owner of tile
 // i + 2 can start S on its own half while the other half is still loading.
 //
-// Consumer c, own tile i (stage c):
+// Two schedules. Seesaw order (default), consumer c, own tile i (stage c):
 //   1. wait full[c][c], issue S_i over D half c (16 x wgmma m64n64k16);
 //   2. the other's tile i - 1: wait hand[1 - c], take its row maxima (alpha = exp2(m_run -
 //      m_new), the same bits the owner computed) and P fragments, rescale O, issue P V_{i-1}
@@ -35,6 +35,19 @@
 //      handoff, m_i; arrive on hand[c];
 //   5. rescale O, issue P_i V_i, wait, release this consumer's group of tile i.
 //   A tile the other consumer owns and that is the CTA's last is added after the loop.
+// The chain from tile to tile is handoff -> P V_{i-1} and S_i's second half -> softmax ->
+// handoff. ncu (twentieth round) put the consumers' largest waits on that chain (the handoff)
+// and on step 1's refill: stage c's half c comes back only after the owner's P V_i, and its
+// S_{i+2} is due at once. And the owner's P V_i and S_{i+2} (off the chain) are issued just
+// as the other consumer issues its chain, so they share the tensor cores with it.
+// Ping-pong order (kPingPong), consumer c, own tile i:
+//   1. take the handoff of tile i - 1 and issue P V_{i-1}; then all of S_i, first over the
+//      half group the other consumer released (after its P V_{i-2}, on its chain), then its
+//      own (whose refill had the longest to land); arrive on "issued[c]"; release tile i - 1;
+//   2. softmax, handoff (as 4 above);
+//   3. wait on "issued[1 - c]" (the other consumer's chain for tile i + 1 is in the tensor
+//      cores' queue), then rescale O and issue P_i V_i: it runs during the other's softmax.
+// The producer refills the half groups in the order they come back.
 // Every wait depends on an earlier tile only, so the order cannot deadlock. The handoff's
 // generic stores to a K block are fenced to the async proxy (fence.proxy.async) before the
 // release that lets TMA overwrite them.
@@ -82,8 +95,8 @@ constexpr int kOffV = kOffQ + kTileBytes;             // V stages 0, 1
 constexpr int kOffKr = kOffV + 2 * kTileBytes;        // K block stages 0, 1 (then P handoffs)
 constexpr int kOffM = kOffKr + 2 * kKrBytes;          // float [2][64]: handed-over row maxima
 constexpr int kOffL = kOffM + 2 * 64 * 4;             // float [2][64]: row sums at the end
-constexpr int kOffBar = kOffL + 2 * 64 * 4;  // q, full[2][2][2], empty[2][2], hand[2]
-constexpr int kSmemBytes = kOffBar + 15 * 8 + 1024;   // + slack to align the base
+constexpr int kOffBar = kOffL + 2 * 64 * 4;  // q, full[2][2], empty[2][2], hand[2]
+constexpr int kSmemBytes = kOffBar + 11 * 8 + 1024;   // + slack to align the base
 static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory per block is 227 KB");
 static_assert(4 * 128 * 16 <= static_cast<int>(kKrBytes), "P handoff must fit the K blocks");
 constexpr int kProducerRegs = 24;
@@ -91,15 +104,9 @@ constexpr int kConsumerRegs = 240;
 
 using sf::NegInf;
 
-// kDescSteps: wgmma descriptors as a base plus each k-step's offset (hx::DescSw128) instead of
-// built from scratch per wgmma. kLazyMax: the row maximum moves only by more than
-// sf::kLazyMaxSlack, and O's rescale is skipped where no row of the warp moved. Both cut the
-// consumers' instructions per tile (ncu, nineteenth round: 484 a warp, 128 of them O's rescale
-// FMULs and ~190 uniform descriptor instructions), which sit on the chain between the tiles.
-// kPartBarriers: each half group completes in two parts, so S starts once the K block and the
-// first V block have landed (a consumer needs its half of stage c again right after releasing
-// it: ncu's second-largest consumer wait, 10% of their samples).
-template <bool kDescSteps, bool kLazyMax, bool kPartBarriers>
+// kPingPong: the consumers take turns on the tensor cores (JAX_MILA_FLASH512_RK_VARIANT=
+// pingpong, see "Two schedules" above); otherwise the nineteenth round's order.
+template <bool kPingPong>
 __global__ void __launch_bounds__(kThreads, 1)
     Flash512Sm90SeesawKernel(const __grid_constant__ CUtensorMap tm_q,
                              const __grid_constant__ CUtensorMap tm_k,
@@ -113,10 +120,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t sQ = base + kOffQ, sV = base + kOffV, sKr = base + kOffKr;
   const uint32_t bar_q = base + kOffBar;
   // Half-tile groups: group (s, h) = stage s's V column blocks 4h..4h+3 and K block h, filled
-  // under full[s][h][part] = bar_full + 16 (2 s + h) + 8 part and released under empty[s][h] =
-  // bar_empty + 8 (2 s + h) by consumer h alone (see "Half groups" above); without kPartBarriers
-  // part 0 covers the whole group. hand[s] = bar_hand + 8 s.
-  const uint32_t bar_full = bar_q + 8, bar_empty = bar_q + 72, bar_hand = bar_q + 104;
+  // under full[s][h] = bar_full + 8 (2 s + h) and released under empty[s][h] = bar_empty +
+  // 8 (2 s + h) by consumer h alone (see "Half groups" above). hand[s] = bar_hand + 8 s.
+  const uint32_t bar_full = bar_q + 8, bar_empty = bar_q + 40, bar_hand = bar_q + 72;
 
   const int tid = threadIdx.x;
   // Warp-uniform to the compiler (CUTLASS's canonical_warp_group_idx): the consumers branch on
@@ -137,8 +143,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     hx::mbar_init(bar_q, 1);
     for (int s = 0; s < 2; ++s) {
       for (int hh = 0; hh < 2; ++hh) {
-        hx::mbar_init(bar_full + 32 * s + 16 * hh, 1);
-        hx::mbar_init(bar_full + 32 * s + 16 * hh + 8, 1);
+        hx::mbar_init(bar_full + 16 * s + 8 * hh, 1);
         hx::mbar_init(bar_empty + 16 * s + 8 * hh, 4);  // consumer hh's 4 warps
       }
       hx::mbar_init(bar_hand + 8 * s, 128);  // every thread of the owning consumer
@@ -161,38 +166,23 @@ __global__ void __launch_bounds__(kThreads, 1)
       int i = 0;
       for (KeyTileCursor<kBlockN> tile = first_tile; tile.valid(); tile.Advance(), ++i) {
         const uint32_t st = i & 1;
-        // The owner's half first: its consumer released it after its own P V two tiles back;
-        // the other half waits for the other consumer's P V of that tile.
+        // The half group released first first: the owner's (its consumer released it after its
+        // own P V two tiles back) in the seesaw order; with kPingPong the other consumer's, whose
+        // P V of that tile ran ahead of the owner's.
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
-          const uint32_t hh = st ^ k, full = bar_full + 32 * st + 16 * hh;
+          const uint32_t hh = st ^ k ^ (kPingPong ? 1 : 0), full = bar_full + 16 * st + 8 * hh;
           if (i >= 2) hx::mbar_wait(bar_empty + 16 * st + 8 * hh, ((i >> 1) - 1) & 1);
           const uint32_t v_dst = sV + st * kTileBytes + 4 * hh * kColBlockBytes;
-          auto load_v = [&](int j, uint32_t bar) {  // V's column block 4hh + j
-            hx::tma_load_4d(v_dst + j * kColBlockBytes, &tm_v, bar, (4 * hh + j) * 64, h,
-                            tile.n0(), b);
-          };
-          auto load_k = [&](uint32_t bar) {  // K's rotated column block 4hh
-            hx::tma_load_4d(sKr + st * kKrBytes + hh * kColBlockBytes, &tm_k, bar, 256 * hh, h,
-                            tile.n0(), b);
-          };
-          if constexpr (kPartBarriers) {
-            // In the order S reads them: part 0 = the K block (S's k-steps 0-3) and V block
-            // 4hh+1, so S starts once 16 of the 40 KB have landed; part 1 = V blocks 4hh+2,
-            // 4hh+3, then 4hh, which only P V reads.
-            hx::mbar_arrive_expect_tx(full, 2 * kColBlockBytes);
-            load_k(full);
-            load_v(1, full);
-            hx::mbar_arrive_expect_tx(full + 8, 3 * kColBlockBytes);
-            load_v(2, full + 8);
-            load_v(3, full + 8);
-            load_v(0, full + 8);
-          } else {
-            hx::mbar_arrive_expect_tx(full, 5 * kColBlockBytes);
+          hx::mbar_arrive_expect_tx(full, 5 * kColBlockBytes);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) load_v(j, full);
-            load_k(full);
+          for (int j = 0; j < 4; ++j) {  // V's column blocks 4hh..4hh+3
+            hx::tma_load_4d(v_dst + j * kColBlockBytes, &tm_v, full, (4 * hh + j) * 64, h,
+                            tile.n0(), b);
           }
+          // K's rotated column block 4hh
+          hx::tma_load_4d(sKr + st * kKrBytes + hh * kColBlockBytes, &tm_k, full, 256 * hh, h,
+                          tile.n0(), b);
         }
       }
     }
@@ -201,6 +191,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---------------- consumers ----------------
   hx::setmaxnreg_inc<kConsumerRegs>();
+  // Named barriers: 1 for the epilogue's row sums; kBarIssued0 + c: consumer c has issued the
+  // chain of one of its tiles (kPingPong).
+  constexpr int kBarIssued0 = 2;
   const int c = wg - 1;           // O columns [256c, 256c + 256); owns the tiles i % 2 == c
   const int ct = tid - 128 * wg;  // thread in the warpgroup
   const int lane = ct & 31, wq = ct >> 5;
@@ -243,33 +236,26 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("" : "+r"(vh));
       fence_pv_operands();
       hx::wgmma_fence();
-      const hx::DescSw128 dv0(vh, kColBlockBytes, 1024);
+      const hx::DescSw128 dv(vh, kColBlockBytes, 1024);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const uint64_t dv = kDescSteps ? dv0.at(kk * 16 * 128)
-                                       : hx::desc_sw128(vh + kk * 16 * 128, kColBlockBytes, 1024);
-        hx::wgmma_m64n256k16_rs_tb(o, pa[kk], dv);
-      }
+      for (int kk = 0; kk < 4; ++kk) hx::wgmma_m64n256k16_rs_tb(o, pa[kk], dv.at(kk * 16 * 128));
       hx::wgmma_commit();
     };
     // The other consumer's tile: its row maxima and P from the handoff; O rescaled to the new
-    // maxima (alpha from the same bits the owner used) and l with it.
+    // maxima (alpha from the same bits the owner used; skipped where the owner moved no row
+    // maximum of this warp) and l with it.
     auto take_handoff = [&](int tile) {
       hx::mbar_wait(bar_hand + 8 * (tile & 1), (tile >> 1) & 1);
       const float* hm = hand_m + (tile & 1) * 64;
       float alpha[2];
-      bool moved = false;  // kLazyMax: whether the owner moved any row maximum of this warp
+      bool moved = false;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float m_new = hm[row + 8 * r];
         const float base_r = m_new == NegInf() ? 0.f : m_new;
-        if constexpr (kLazyMax) {
-          const bool up = m_new != m_run[r];
-          alpha[r] = up ? px::exp2_approx(m_run[r] - base_r) : 1.f;
-          moved |= up;
-        } else {
-          alpha[r] = px::exp2_approx(m_run[r] - base_r);
-        }
+        const bool up = m_new != m_run[r];
+        alpha[r] = up ? px::exp2_approx(m_run[r] - base_r) : 1.f;
+        moved |= up;
         m_run[r] = m_new;
         l_run[r] *= alpha[r];
       }
@@ -284,7 +270,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         pa[kk][2] = v.z;
         pa[kk][3] = v.w;
       }
-      if (!kLazyMax || __any_sync(0xffffffffu, moved)) sf::RescaleRows(o, alpha);
+      if (__any_sync(0xffffffffu, moved)) sf::RescaleRows(o, alpha);
     };
     // Element e of S holds row 16wq+g (+8 if bit 1 of e), key kpos0 + 8(e/4) + 2t4 (+1 if bit
     // 0 of e): -inf where that key is not visible to that row (as in flash512_sm90.cu).
@@ -300,41 +286,27 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (!visible) x = NegInf();
     };
 
-    // Own tile i (stage c) at positions kpos0.., keys_left of them in its segment. kPending
-    // (compile time: a wgmma under a branch ptxas cannot prove uniform serializes every wgmma
-    // of the kernel, C7518): whether the other consumer's tile i - 1 is added in between; true
-    // for every own tile but consumer 0's first.
-    auto own_tile = [&](int i, int64_t kpos0, int keys_left, auto with_pending) {
+    // Own tile i (stage c) at positions kpos0.., keys_left of them in its segment; has_next:
+    // whether tile i + 1 exists. kPending (compile time: a wgmma under a branch ptxas cannot
+    // prove uniform serializes every wgmma of the kernel, C7518): whether the other consumer's
+    // tile i - 1 is added in between; true for every own tile but consumer 0's first.
+    auto own_tile = [&](int i, int64_t kpos0, int keys_left, bool has_next, auto with_pending) {
       constexpr bool kPending = decltype(with_pending)::value;
       const uint32_t st = i & 1;  // == c
-      // `first`: the half that starts S (its first wgmma ignores the accumulators).
-      // Waits for the group's data (part by part with kPartBarriers: one commit group each).
+      // S_i over D half hh (group (c, hh)) into s; `first`: its first wgmma ignores s.
       auto issue_s_half = [&](int hh, auto first) {
-        const uint32_t full = bar_full + 32 * st + 16 * hh, parity = (i >> 1) & 1;
         uint32_t qb = sQ + 4 * hh * kColBlockBytes;
         uint32_t vb = sV + st * kTileBytes + 4 * hh * kColBlockBytes;
         uint32_t kb = sKr + st * kKrBytes + hh * kColBlockBytes;
         asm volatile("" : "+r"(qb), "+r"(vb), "+r"(kb));
         const hx::DescSw128 dq(qb, 16, 1024), dvb(vb, 16, 1024), dkb(kb, 16, 1024);
-        hx::mbar_wait(full, parity);
+        hx::mbar_wait(bar_full + 16 * st + 8 * hh, (i >> 1) & 1);
         hx::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 16; ++kk) {
-          if (kPartBarriers && kk == 8) {  // V blocks 4hh+2, 4hh+3: part 1
-            hx::wgmma_commit();
-            hx::mbar_wait(full + 8, parity);
-            hx::wgmma_fence();
-          }
           const uint32_t off = (kk >> 2) * kColBlockBytes + (kk & 3) * 32;
           // Column block 4hh is K's rotated block (the group's K block); the others are V's.
-          uint64_t da, db;
-          if constexpr (kDescSteps) {
-            da = dq.at(off);
-            db = kk < 4 ? dkb.at((kk & 3) * 32) : dvb.at(off);
-          } else {
-            da = hx::desc_sw128(qb + off, 16, 1024);
-            db = hx::desc_sw128(kk < 4 ? kb + (kk & 3) * 32 : vb + off, 16, 1024);
-          }
+          const uint64_t da = dq.at(off), db = kk < 4 ? dkb.at((kk & 3) * 32) : dvb.at(off);
           if (decltype(first)::value && kk == 0) {
             hx::wgmma_m64n64k16_ss<false>(s, da, db);
           } else {
@@ -343,24 +315,43 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         hx::wgmma_commit();
       };
-      // 1. S_i over this consumer's half of D (group (c, c), released by its own P V two
-      // tiles back: usually loaded).
       hx::fence_operands(s);
-      issue_s_half(c, std::true_type{});
-      // 2. The other consumer's tile i - 1, as soon as its P is handed over.
-      if constexpr (kPending) {
-        take_handoff(i - 1);
-        issue_pv(i - 1);
-      }
-      // 3. S_i over the other half of D (group (c, 1 - c): released by the other consumer's
-      // P V two tiles back).
-      issue_s_half(1 - c, std::false_type{});
-      if constexpr (kPending) {
-        // The first half of S and P V_{i-1} retired: this consumer's group of tile i - 1 (its
-        // V half and the handoff it read) goes back to the producer, for tile i + 1.
-        hx::wgmma_wait<kPartBarriers ? 2 : 1>();
-        fence_pv_operands();
-        release(i - 1);
+      if constexpr (kPingPong) {
+        // The chain between the tiles first: P V_{i-1} and all of S_i, starting on the half
+        // group the other consumer released (after its P V_{i-1}, also on the chain) while
+        // this consumer's half of the stage may still be refilling. Then the other consumer
+        // may issue its own P V_{i-1} behind them.
+        if constexpr (kPending) {
+          take_handoff(i - 1);
+          issue_pv(i - 1);
+        }
+        issue_s_half(1 - c, std::true_type{});
+        issue_s_half(c, std::false_type{});
+        if constexpr (kPending) {
+          px::named_barrier_arrive_unaligned(kBarIssued0 + c, 256);
+          hx::wgmma_wait<1>();
+          fence_pv_operands();
+          release(i - 1);
+        }
+      } else {
+        // 1. S_i over this consumer's half of D (group (c, c), released by its own P V two
+        // tiles back: usually loaded).
+        issue_s_half(c, std::true_type{});
+        // 2. The other consumer's tile i - 1, as soon as its P is handed over.
+        if constexpr (kPending) {
+          take_handoff(i - 1);
+          issue_pv(i - 1);
+        }
+        // 3. S_i over the other half of D (group (c, 1 - c): released by the other consumer's
+        // P V two tiles back).
+        issue_s_half(1 - c, std::false_type{});
+        if constexpr (kPending) {
+          // The first half of S and P V_{i-1} retired: this consumer's group of tile i - 1
+          // (its V half and the handoff it read) goes back to the producer, for tile i + 1.
+          hx::wgmma_wait<1>();
+          fence_pv_operands();
+          release(i - 1);
+        }
       }
       hx::wgmma_wait<0>();
       hx::fence_operands(s);
@@ -372,14 +363,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int e = 0; e < 32; ++e) mask(s[e], e, kpos0, keys_left);
       }
       float alpha[2];
-      bool rescale = true;  // kLazyMax: false when no row maximum of this warp moved
-      if constexpr (kLazyMax) {
-        rescale = sf::OnlineSoftmaxLazy(s, m_run, l_run, alpha);
-      } else {
-        sf::OnlineSoftmax(s, m_run, l_run, alpha);
-      }
+      const bool rescale = sf::OnlineSoftmaxLazy(s, m_run, l_run, alpha);
       // The handoff goes into the other consumer's K block of this stage (its half group: read
-      // by S_i's second half, retired).
+      // by S_i, retired).
       uint4* hp = reinterpret_cast<uint4*>(smem + kOffKr + st * kKrBytes +
                                            (1 - c) * kColBlockBytes);
 #pragma unroll
@@ -394,7 +380,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       // TMA refills these bytes (tile i + 2's K blocks) once the stage is released.
       hx::fence_proxy_async_shared();
       hx::mbar_arrive(bar_hand + 8 * st);
-      // 5. P_i V_i.
+      // 5. P_i V_i: with kPingPong once the other consumer has issued its chain for tile
+      // i + 1 (if any), so that this P V runs behind it, during the other's softmax.
+      if (kPingPong && has_next) px::named_barrier_sync_unaligned(kBarIssued0 + 1 - c, 256);
       if (rescale) sf::RescaleRows(o, alpha);
       issue_pv(i);
       hx::wgmma_wait<0>();
@@ -403,9 +391,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
 
     KeyTileCursor<kBlockN> tile = first_tile;
+    auto next_exists = [&] {
+      KeyTileCursor<kBlockN> next = tile;
+      next.Advance();
+      return next.valid();
+    };
     int i = 0;
     if (c == 0) {  // tile 0: nothing before it
-      own_tile(0, tile.kpos0(), tile.keys_left(), std::false_type{});
+      own_tile(0, tile.kpos0(), tile.keys_left(), next_exists(), std::false_type{});
       tile.Advance();
       i = 1;
     }
@@ -415,7 +408,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         pending = true;
         continue;
       }
-      own_tile(i, tile.kpos0(), tile.keys_left(), std::true_type{});
+      own_tile(i, tile.kpos0(), tile.keys_left(), next_exists(), std::true_type{});
       pending = false;
     }
     const int pending_tile = i - 1;  // the last tile
@@ -467,36 +460,29 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// Developer knob for A/B runs, read once per process: JAX_MILA_FLASH512_RK_VARIANT=base (the
-// nineteenth round's kernel), =desc (+ descriptor steps), =parts (+ descriptor steps, lazy
-// maximum and part barriers); anything else: descriptor steps and lazy maximum.
-enum class SeesawVariant { kBase, kDescSteps, kLean, kParts };
-SeesawVariant Variant() {
-  static const SeesawVariant v = [] {
+// Developer knob for A/B runs, read once per process: JAX_MILA_FLASH512_RK_VARIANT=pingpong
+// (the consumers take turns on the tensor cores); anything else: the seesaw order.
+bool UsePingPong() {
+  static const bool v = [] {
     const char* env = std::getenv("JAX_MILA_FLASH512_RK_VARIANT");
-    const std::string name = env == nullptr ? "" : env;
-    return name == "base"    ? SeesawVariant::kBase
-           : name == "desc"  ? SeesawVariant::kDescSteps
-           : name == "parts" ? SeesawVariant::kParts
-                             : SeesawVariant::kLean;
+    return env != nullptr && std::string(env) == "pingpong";
   }();
   return v;
 }
 
-template <bool kDescSteps, bool kLazyMax, bool kPartBarriers>
-cudaError_t Launch(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
-                   const AttentionParams& p, int num_m_blocks, cudaStream_t stream) {
-  auto* kernel = Flash512Sm90SeesawKernel<kDescSteps, kLazyMax, kPartBarriers>;
+template <bool kPingPong>
+cudaError_t Launch(const LaunchSetup& l, const AttentionParams& p, cudaStream_t stream) {
+  auto* kernel = Flash512Sm90SeesawKernel<kPingPong>;
   if (const cudaError_t err =
           PrepareKernel(kernel, kSmemBytes, kThreads, kProducerRegs, kConsumerRegs);
       err != cudaSuccess) {
     return err;
   }
   const ClusterLaunchConfig launch(
-      dim3(static_cast<unsigned>(num_m_blocks), static_cast<unsigned>(p.hkv),
+      dim3(static_cast<unsigned>(l.num_m_blocks), static_cast<unsigned>(p.hkv),
            static_cast<unsigned>(p.batch)),
       dim3(kThreads), kSmemBytes, stream, 1);
-  return cudaLaunchKernelEx(&launch.cfg, kernel, tm_q, tm_k, tm_v, p, num_m_blocks);
+  return cudaLaunchKernelEx(&launch.cfg, kernel, l.tm_q, l.tm_k, l.tm_v, p, l.num_m_blocks);
 }
 
 }  // namespace
@@ -504,18 +490,7 @@ cudaError_t Launch(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUten
 cudaError_t LaunchFlashAttentionD512Sm90RotaryKeys(const AttentionParams& p, cudaStream_t stream) {
   LaunchSetup l;
   if (const cudaError_t err = PrepareLaunch(p, &l); err != cudaSuccess) return err;
-  const int blocks = l.num_m_blocks;
-  const CUtensorMap &tm_q = l.tm_q, &tm_k = l.tm_k, &tm_v = l.tm_v;
-  switch (Variant()) {
-    case SeesawVariant::kBase:
-      return Launch<false, false, false>(tm_q, tm_k, tm_v, p, blocks, stream);
-    case SeesawVariant::kDescSteps:
-      return Launch<true, false, false>(tm_q, tm_k, tm_v, p, blocks, stream);
-    case SeesawVariant::kParts:
-      return Launch<true, true, true>(tm_q, tm_k, tm_v, p, blocks, stream);
-    default:
-      return Launch<true, true, false>(tm_q, tm_k, tm_v, p, blocks, stream);
-  }
+  return UsePingPong() ? Launch<true>(l, p, stream) : Launch<false>(l, p, stream);
 }
 
 }  // namespace mila
