@@ -118,11 +118,6 @@ __device__ __forceinline__ void named_barrier_sync(int id, int nthreads) {
 __device__ __forceinline__ void named_barrier_sync_unaligned(int id, int nthreads) {
   asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
 }
-// Arrival without waiting on named barrier `id`, pairing with named_barrier_sync_unaligned on
-// the other side (a signal between warpgroups; the threads need not be converged).
-__device__ __forceinline__ void named_barrier_arrive_unaligned(int id, int nthreads) {
-  asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
-}
 
 // ---- predicated 16-byte global loads (rms_norm_quantize) --------------------
 

@@ -24,7 +24,7 @@
 // stage returns to the producer as soon as its consumer is done with it, and the owner of tile
 // i + 2 can start S on its own half while the other half is still loading.
 //
-// Two schedules. Seesaw order (default), consumer c, own tile i (stage c):
+// Consumer c, own tile i (stage c):
 //   1. wait full[c][c], issue S_i over D half c (16 x wgmma m64n64k16);
 //   2. the other's tile i - 1: wait hand[1 - c], take its row maxima (alpha = exp2(m_run -
 //      m_new), the same bits the owner computed) and P fragments, rescale O, issue P V_{i-1}
@@ -35,19 +35,10 @@
 //      handoff, m_i; arrive on hand[c];
 //   5. rescale O, issue P_i V_i, wait, release this consumer's group of tile i.
 //   A tile the other consumer owns and that is the CTA's last is added after the loop.
-// The chain from tile to tile is handoff -> P V_{i-1} and S_i's second half -> softmax ->
-// handoff. ncu (twentieth round) put the consumers' largest waits on that chain (the handoff)
-// and on step 1's refill: stage c's half c comes back only after the owner's P V_i, and its
-// S_{i+2} is due at once. And the owner's P V_i and S_{i+2} (off the chain) are issued just
-// as the other consumer issues its chain, so they share the tensor cores with it.
-// Ping-pong order (kPingPong), consumer c, own tile i:
-//   1. take the handoff of tile i - 1 and issue P V_{i-1}; then all of S_i, first over the
-//      half group the other consumer released (after its P V_{i-2}, on its chain), then its
-//      own (whose refill had the longest to land); arrive on "issued[c]"; release tile i - 1;
-//   2. softmax, handoff (as 4 above);
-//   3. wait on "issued[1 - c]" (the other consumer's chain for tile i + 1 is in the tensor
-//      cores' queue), then rescale O and issue P_i V_i: it runs during the other's softmax.
-// The producer refills the half groups in the order they come back.
+// Measured and dropped (twentieth round): a ping-pong order (the chain P V_{i-1} + all of S_i
+// first, the owner's P V_i only once the other consumer had issued its chain) was 3% slower;
+// the consumers then waited on each other's turn, and S's wgmma issue stalled on a full
+// tensor-core queue.
 // Every wait depends on an earlier tile only, so the order cannot deadlock. The handoff's
 // generic stores to a K block are fenced to the async proxy (fence.proxy.async) before the
 // release that lets TMA overwrite them.
@@ -66,8 +57,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 #include <type_traits>
 
 #include "common/attention_params.h"
@@ -104,9 +93,6 @@ constexpr int kConsumerRegs = 240;
 
 using sf::NegInf;
 
-// kPingPong: the consumers take turns on the tensor cores (JAX_MILA_FLASH512_RK_VARIANT=
-// pingpong, see "Two schedules" above); otherwise the nineteenth round's order.
-template <bool kPingPong>
 __global__ void __launch_bounds__(kThreads, 1)
     Flash512Sm90SeesawKernel(const __grid_constant__ CUtensorMap tm_q,
                              const __grid_constant__ CUtensorMap tm_k,
@@ -166,12 +152,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       int i = 0;
       for (KeyTileCursor<kBlockN> tile = first_tile; tile.valid(); tile.Advance(), ++i) {
         const uint32_t st = i & 1;
-        // The half group released first first: the owner's (its consumer released it after its
-        // own P V two tiles back) in the seesaw order; with kPingPong the other consumer's, whose
-        // P V of that tile ran ahead of the owner's.
+        // The owner's half first: its consumer released it after its own P V two tiles back;
+        // the other half waits for the other consumer's P V of that tile.
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
-          const uint32_t hh = st ^ k ^ (kPingPong ? 1 : 0), full = bar_full + 16 * st + 8 * hh;
+          const uint32_t hh = st ^ k, full = bar_full + 16 * st + 8 * hh;
           if (i >= 2) hx::mbar_wait(bar_empty + 16 * st + 8 * hh, ((i >> 1) - 1) & 1);
           const uint32_t v_dst = sV + st * kTileBytes + 4 * hh * kColBlockBytes;
           hx::mbar_arrive_expect_tx(full, 5 * kColBlockBytes);
@@ -191,9 +176,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---------------- consumers ----------------
   hx::setmaxnreg_inc<kConsumerRegs>();
-  // Named barriers: 1 for the epilogue's row sums; kBarIssued0 + c: consumer c has issued the
-  // chain of one of its tiles (kPingPong).
-  constexpr int kBarIssued0 = 2;
   const int c = wg - 1;           // O columns [256c, 256c + 256); owns the tiles i % 2 == c
   const int ct = tid - 128 * wg;  // thread in the warpgroup
   const int lane = ct & 31, wq = ct >> 5;
@@ -286,11 +268,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (!visible) x = NegInf();
     };
 
-    // Own tile i (stage c) at positions kpos0.., keys_left of them in its segment; has_next:
-    // whether tile i + 1 exists. kPending (compile time: a wgmma under a branch ptxas cannot
+    // Own tile i (stage c) at positions kpos0.., keys_left of them in its segment. kPending (compile time: a wgmma under a branch ptxas cannot
     // prove uniform serializes every wgmma of the kernel, C7518): whether the other consumer's
     // tile i - 1 is added in between; true for every own tile but consumer 0's first.
-    auto own_tile = [&](int i, int64_t kpos0, int keys_left, bool has_next, auto with_pending) {
+    auto own_tile = [&](int i, int64_t kpos0, int keys_left, auto with_pending) {
       constexpr bool kPending = decltype(with_pending)::value;
       const uint32_t st = i & 1;  // == c
       // S_i over D half hh (group (c, hh)) into s; `first`: its first wgmma ignores s.
@@ -316,42 +297,23 @@ __global__ void __launch_bounds__(kThreads, 1)
         hx::wgmma_commit();
       };
       hx::fence_operands(s);
-      if constexpr (kPingPong) {
-        // The chain between the tiles first: P V_{i-1} and all of S_i, starting on the half
-        // group the other consumer released (after its P V_{i-1}, also on the chain) while
-        // this consumer's half of the stage may still be refilling. Then the other consumer
-        // may issue its own P V_{i-1} behind them.
-        if constexpr (kPending) {
-          take_handoff(i - 1);
-          issue_pv(i - 1);
-        }
-        issue_s_half(1 - c, std::true_type{});
-        issue_s_half(c, std::false_type{});
-        if constexpr (kPending) {
-          px::named_barrier_arrive_unaligned(kBarIssued0 + c, 256);
-          hx::wgmma_wait<1>();
-          fence_pv_operands();
-          release(i - 1);
-        }
-      } else {
-        // 1. S_i over this consumer's half of D (group (c, c), released by its own P V two
-        // tiles back: usually loaded).
-        issue_s_half(c, std::true_type{});
-        // 2. The other consumer's tile i - 1, as soon as its P is handed over.
-        if constexpr (kPending) {
-          take_handoff(i - 1);
-          issue_pv(i - 1);
-        }
-        // 3. S_i over the other half of D (group (c, 1 - c): released by the other consumer's
-        // P V two tiles back).
-        issue_s_half(1 - c, std::false_type{});
-        if constexpr (kPending) {
-          // The first half of S and P V_{i-1} retired: this consumer's group of tile i - 1
-          // (its V half and the handoff it read) goes back to the producer, for tile i + 1.
-          hx::wgmma_wait<1>();
-          fence_pv_operands();
-          release(i - 1);
-        }
+      // 1. S_i over this consumer's half of D (group (c, c), released by its own P V two tiles
+      // back: usually loaded).
+      issue_s_half(c, std::true_type{});
+      // 2. The other consumer's tile i - 1, as soon as its P is handed over.
+      if constexpr (kPending) {
+        take_handoff(i - 1);
+        issue_pv(i - 1);
+      }
+      // 3. S_i over the other half of D (group (c, 1 - c): released by the other consumer's P V
+      // two tiles back).
+      issue_s_half(1 - c, std::false_type{});
+      if constexpr (kPending) {
+        // The first half of S and P V_{i-1} retired: this consumer's group of tile i - 1 (its V
+        // half and the handoff it read) goes back to the producer, for tile i + 1.
+        hx::wgmma_wait<1>();
+        fence_pv_operands();
+        release(i - 1);
       }
       hx::wgmma_wait<0>();
       hx::fence_operands(s);
@@ -365,7 +327,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       float alpha[2];
       const bool rescale = sf::OnlineSoftmaxLazy(s, m_run, l_run, alpha);
       // The handoff goes into the other consumer's K block of this stage (its half group: read
-      // by S_i, retired).
+      // by S_i's second half, retired).
       uint4* hp = reinterpret_cast<uint4*>(smem + kOffKr + st * kKrBytes +
                                            (1 - c) * kColBlockBytes);
 #pragma unroll
@@ -380,9 +342,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // TMA refills these bytes (tile i + 2's K blocks) once the stage is released.
       hx::fence_proxy_async_shared();
       hx::mbar_arrive(bar_hand + 8 * st);
-      // 5. P_i V_i: with kPingPong once the other consumer has issued its chain for tile
-      // i + 1 (if any), so that this P V runs behind it, during the other's softmax.
-      if (kPingPong && has_next) px::named_barrier_sync_unaligned(kBarIssued0 + 1 - c, 256);
+      // 5. P_i V_i.
       if (rescale) sf::RescaleRows(o, alpha);
       issue_pv(i);
       hx::wgmma_wait<0>();
@@ -391,14 +351,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
 
     KeyTileCursor<kBlockN> tile = first_tile;
-    auto next_exists = [&] {
-      KeyTileCursor<kBlockN> next = tile;
-      next.Advance();
-      return next.valid();
-    };
     int i = 0;
     if (c == 0) {  // tile 0: nothing before it
-      own_tile(0, tile.kpos0(), tile.keys_left(), next_exists(), std::false_type{});
+      own_tile(0, tile.kpos0(), tile.keys_left(), std::false_type{});
       tile.Advance();
       i = 1;
     }
@@ -408,7 +363,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         pending = true;
         continue;
       }
-      own_tile(i, tile.kpos0(), tile.keys_left(), next_exists(), std::true_type{});
+      own_tile(i, tile.kpos0(), tile.keys_left(), std::true_type{});
       pending = false;
     }
     const int pending_tile = i - 1;  // the last tile
@@ -460,21 +415,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// Developer knob for A/B runs, read once per process: JAX_MILA_FLASH512_RK_VARIANT=pingpong
-// (the consumers take turns on the tensor cores); anything else: the seesaw order.
-bool UsePingPong() {
-  static const bool v = [] {
-    const char* env = std::getenv("JAX_MILA_FLASH512_RK_VARIANT");
-    return env != nullptr && std::string(env) == "pingpong";
-  }();
-  return v;
-}
+}  // namespace
 
-template <bool kPingPong>
-cudaError_t Launch(const LaunchSetup& l, const AttentionParams& p, cudaStream_t stream) {
-  auto* kernel = Flash512Sm90SeesawKernel<kPingPong>;
+cudaError_t LaunchFlashAttentionD512Sm90RotaryKeys(const AttentionParams& p, cudaStream_t stream) {
+  LaunchSetup l;
+  if (const cudaError_t err = PrepareLaunch(p, &l); err != cudaSuccess) return err;
   if (const cudaError_t err =
-          PrepareKernel(kernel, kSmemBytes, kThreads, kProducerRegs, kConsumerRegs);
+          PrepareKernel(Flash512Sm90SeesawKernel, kSmemBytes, kThreads, kProducerRegs,
+                        kConsumerRegs);
       err != cudaSuccess) {
     return err;
   }
@@ -482,15 +430,8 @@ cudaError_t Launch(const LaunchSetup& l, const AttentionParams& p, cudaStream_t 
       dim3(static_cast<unsigned>(l.num_m_blocks), static_cast<unsigned>(p.hkv),
            static_cast<unsigned>(p.batch)),
       dim3(kThreads), kSmemBytes, stream, 1);
-  return cudaLaunchKernelEx(&launch.cfg, kernel, l.tm_q, l.tm_k, l.tm_v, p, l.num_m_blocks);
-}
-
-}  // namespace
-
-cudaError_t LaunchFlashAttentionD512Sm90RotaryKeys(const AttentionParams& p, cudaStream_t stream) {
-  LaunchSetup l;
-  if (const cudaError_t err = PrepareLaunch(p, &l); err != cudaSuccess) return err;
-  return UsePingPong() ? Launch<true>(l, p, stream) : Launch<false>(l, p, stream);
+  return cudaLaunchKernelEx(&launch.cfg, Flash512Sm90SeesawKernel, l.tm_q, l.tm_k, l.tm_v, p,
+                            l.num_m_blocks);
 }
 
 }  // namespace mila
