@@ -107,6 +107,9 @@ CASES = (
     ("window100_b2_gqa4", 2, 300, 333, 8, 2, True, 100, 0, 0, 0.05),
     ("noncausal_gqa1", 1, 130, 200, 2, 2, False, 0, 0, 0, 0.05),
     ("masked_rows_gqa2", 1, 40, 70, 2, 1, True, 0, 0, 30, 0.1),
+    # Any finite scale is in the contract: a negative one turns the row maxima into minima of
+    # the raw scores (the kernels scale before taking them).
+    ("negative_scale_gqa16", 1, 100, 100, 16, 1, True, 0, 0, 0, -0.05),
 )
 
 
@@ -170,6 +173,34 @@ class Sm90VersusMmaSyncGpuTest(parameterized.TestCase):
         self.assertGreater(float(np.abs(o0).max()), 1e-3, msg)
         # Not vacuous: attention over the raw k is another result (on rows that see > 1 key).
         self.assertGreater(float(np.abs(o2 - o0).max()), 10 * tol, msg)
+
+    def test_rotary_keys_with_rising_scores(self):
+        # The lazy row maximum's regime (sf::OnlineSoftmaxLazy, slack 8 in log2 units): every
+        # query's scores rise along the keys, ~1.4 (log2) per 64-key tile, so the maximum stays
+        # put for several tiles while P grows toward 2^8, then moves; ties to the oracle as above.
+        seed = int.from_bytes(os.urandom(4), "little")
+        t, s, hq = 97, 1000, 16
+        q = jnp.zeros((1, t, hq, 512), jnp.float32).at[..., 0].set(1.0).astype(jnp.bfloat16)
+        rising = 0.015 * jnp.arange(s, dtype=jnp.float32)
+        k = jnp.zeros((1, s, 1, 512), jnp.float32).at[0, :, 0, 0].set(rising).astype(jnp.bfloat16)
+        v = jax.random.normal(jax.random.key(seed), (1, s, 1, 512), jnp.float32).astype(jnp.bfloat16)
+        qo, ko = s - t, 0
+        kw = dict(scale=1.0, causal=True, window=0)
+        call = testing.attention_target_call
+        o1, l1 = testing.call_with_poisoned_outputs(lambda *a: call(ROTARY, *a, **kw),
+                                                    q, k, v, qo, ko)
+        k_eff = reference.keys_except_rotary(k, v, 64)
+        o0, l0 = jax.jit(lambda *a: call(MMA, *a, **kw))(q, k_eff, v, qo, ko)
+        o1, l1, o0, l0 = (np.asarray(x, np.float32) for x in (o1, l1, o0, l0))
+        msg = f"seed={seed}"
+        # Not vacuous: from the first tile to the last key the scores rise by more than twice
+        # the slack, so the maximum moves and stays put in between.
+        scores = np.asarray(k[0, :, 0, 0], np.float32) * np.log2(np.e)
+        self.assertGreater(scores.max() - scores[:64].max(), 16.0)
+        self.assertTrue(np.isfinite(o1).all(), msg)
+        np.testing.assert_allclose(l1, l0, atol=2e-3, rtol=1e-4, err_msg=msg)
+        self.assertLess(float(np.abs(o1 - o0).max()), 2e-2 * max(1.0, float(np.abs(o0).max())),
+                        msg)
 
     @parameterized.named_parameters(("_default", None, True), ("_env_zero", "0", False))
     def test_routing_reaches_the_hlo(self, env, sm90):

@@ -214,6 +214,24 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr, uint32_t lbo, uint
          (static_cast<uint64_t>((sbo & 0x3FFFFu) >> 4) << 32) | (1ull << 62);
 }
 
+// desc_sw128 split into its two 32-bit words, for operands walked k-step by k-step: the
+// descriptor of a step `bytes` past the base is at(bytes), the base's low word plus bytes / 16
+// and the same high word. The start-address field (bits 0-13) cannot carry into the leading
+// byte offset above it, since shared addresses stay below 256 KB; so a step costs one 32-bit
+// add instead of desc_sw128's masks, shifts and ORs (ten uniform instructions per wgmma in the
+// seesaw kernel's S loop before).
+struct DescSw128 {
+  uint32_t lo, hi;
+  __device__ __forceinline__ DescSw128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    const uint64_t d = desc_sw128(addr, lbo, sbo);
+    lo = static_cast<uint32_t>(d);
+    hi = static_cast<uint32_t>(d >> 32);
+  }
+  __device__ __forceinline__ uint64_t at(uint32_t bytes) const {
+    return (static_cast<uint64_t>(hi) << 32) | (lo + (bytes >> 4));
+  }
+};
+
 // desc_sw128 of a K-major tile with 128-byte rows (w4a8's activation tiles): leading byte
 // offset 16 (unused by this swizzle), stride byte offset 1024 (one 8-row swizzle atom).
 __device__ __forceinline__ uint64_t desc_k128b(uint32_t addr) { return desc_sw128(addr, 16, 1024); }

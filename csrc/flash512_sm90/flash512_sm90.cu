@@ -137,6 +137,7 @@
 #include "common/softmax_fragments.cuh"
 #include "common/tensor_map.h"
 #include "flash512_sm90/flash512_sm90.h"
+#include "flash512_sm90/flash512_sm90_common.h"
 
 namespace mila {
 namespace {
@@ -144,13 +145,8 @@ namespace {
 namespace px = ::mila::ptx;
 namespace hx = ::mila::ptx::sm90;
 namespace sf = ::mila::softmax_fragments;
+using namespace ::mila::flash512_sm90;  // geometry (flash512_sm90_common.h)
 
-constexpr int kD = 512;
-constexpr int kBlockM = 64;
-constexpr int kBlockN = 64;
-constexpr int kThreads = 384;
-constexpr int kColBlockBytes = 64 * 64 * 2;        // one TMA box: 64 rows x 128 bytes
-constexpr uint32_t kTileBytes = 8 * kColBlockBytes;  // 64 x 512 bf16
 constexpr int kOffQ = 0;
 constexpr int kOffK = kOffQ + kTileBytes;
 constexpr int kOffV = kOffK + kTileBytes;
@@ -175,8 +171,6 @@ template <int kCluster>
 constexpr int kProducerRegs = kCluster == 1 ? 24 : 40;
 template <int kCluster>
 constexpr int kConsumerRegs = kCluster == 1 ? 240 : 232;
-[[maybe_unused]] constexpr float kLog2e = 1.4426950408889634f;
-[[maybe_unused]] constexpr float kLn2 = 0.6931471805599453f;
 
 using sf::NegInf;
 
@@ -651,12 +645,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// A 4-D bf16 tensor map {512, d1, d2, d3} (row-major, innermost first) with 128-byte swizzle.
-bool EncodeMap(tma::EncodeTiledFn encode, CUtensorMap* map, const void* ptr, uint64_t d1,
-               uint64_t d2, uint64_t d3, uint32_t box1, uint32_t box2) {
-  return tma::EncodeBf16Swizzled(encode, map, ptr, kD, d1, d2, d3, box1, box2);
-}
-
 // Developer knob, read once per process: JAX_MILA_FLASH512_SM90_CLUSTER=2 runs the 2-CTA
 // cluster variant (adjacent M tiles share every K/V tile through TMA multicast: half the
 // L2->SM traffic). Default 1: the kernel is bound by its serial chain per tile, which multicast
@@ -685,17 +673,10 @@ template <int kCluster, bool kSplit>
 cudaError_t LaunchKernel(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
                          const AttentionParams& p, int num_m_blocks, cudaStream_t stream) {
   auto* kernel = Flash512Sm90Kernel<kCluster, kSplit>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (err != cudaSuccess) return err;
-  // setmaxnreg moves registers within the CTA: the consumers' increase must be covered by what
-  // the producer releases, which holds only if the kernel was allocated 168 registers a thread
-  // (ptxas's choice under __launch_bounds__(384, 1)). Fewer would make setmaxnreg.inc wait
-  // forever: refuse to launch instead of hanging.
-  cudaFuncAttributes attr{};
-  if ((err = cudaFuncGetAttributes(&attr, kernel)) != cudaSuccess) return err;
-  if (attr.numRegs * kThreads < 128 * kProducerRegs<kCluster> + 256 * kConsumerRegs<kCluster>) {
-    return cudaErrorInvalidConfiguration;
+  if (const cudaError_t err = PrepareKernel(
+          kernel, kSmemBytes, kThreads, kProducerRegs<kCluster>, kConsumerRegs<kCluster>);
+      err != cudaSuccess) {
+    return err;
   }
   // kCluster 2: one cluster per pair of M tiles (an odd count leaves a CTA without rows).
   const int grid_x = kCluster == 1 ? num_m_blocks : 2 * ((num_m_blocks + 1) / 2);
@@ -709,32 +690,13 @@ cudaError_t LaunchKernel(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const
 }  // namespace
 
 cudaError_t LaunchFlashAttentionD512Sm90(const AttentionParams& p, cudaStream_t stream) {
-  int device = 0, major = 0, minor = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if ((err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device)) != cudaSuccess)
-    return err;
-  if ((err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device)) != cudaSuccess)
-    return err;
-  if (major != 9 || minor != 0) return cudaErrorInvalidDeviceFunction;
-  const int G = p.hq / p.hkv;
-  if (G <= 0 || kBlockM % G != 0) return cudaErrorInvalidConfiguration;
-  const tma::EncodeTiledFn encode = tma::Encoder();
-  if (encode == nullptr) return cudaErrorNotSupported;
-
-  CUtensorMap tm_q, tm_k, tm_v;
-  if (!EncodeMap(encode, &tm_q, p.q, p.hq, p.t, p.batch, G, kBlockM / G) ||
-      !EncodeMap(encode, &tm_k, p.k, p.hkv, p.s, p.batch, 1, kBlockN) ||
-      !EncodeMap(encode, &tm_v, p.v, p.hkv, p.s, p.batch, 1, kBlockN)) {
-    return cudaErrorInvalidValue;
+  LaunchSetup l;
+  if (const cudaError_t err = PrepareLaunch(p, &l); err != cudaSuccess) return err;
+  if (ClusterSize() == 2) {
+    return LaunchKernel<2, false>(l.tm_q, l.tm_k, l.tm_v, p, l.num_m_blocks, stream);
   }
-  const int64_t rows = static_cast<int64_t>(p.t) * G;
-  const int64_t num_m_blocks = (rows + kBlockM - 1) / kBlockM;
-  if (num_m_blocks > INT32_MAX - 1) return cudaErrorInvalidValue;
-  const int m_blocks = static_cast<int>(num_m_blocks);
-  if (ClusterSize() == 2) return LaunchKernel<2, false>(tm_q, tm_k, tm_v, p, m_blocks, stream);
-  return SplitSoftmax() ? LaunchKernel<1, true>(tm_q, tm_k, tm_v, p, m_blocks, stream)
-                        : LaunchKernel<1, false>(tm_q, tm_k, tm_v, p, m_blocks, stream);
+  return SplitSoftmax() ? LaunchKernel<1, true>(l.tm_q, l.tm_k, l.tm_v, p, l.num_m_blocks, stream)
+                        : LaunchKernel<1, false>(l.tm_q, l.tm_k, l.tm_v, p, l.num_m_blocks, stream);
 }
 
 }  // namespace mila

@@ -35,11 +35,21 @@
 //      handoff, m_i; arrive on hand[c];
 //   5. rescale O, issue P_i V_i, wait, release this consumer's group of tile i.
 //   A tile the other consumer owns and that is the CTA's last is added after the loop.
+// Measured and dropped (twentieth round): a ping-pong order (the chain P V_{i-1} + all of S_i
+// first, the owner's P V_i only once the other consumer had issued its chain) was 3% slower;
+// the consumers then waited on each other's turn, and S's wgmma issue stalled on a full
+// tensor-core queue.
 // Every wait depends on an earlier tile only, so the order cannot deadlock. The handoff's
 // generic stores to a K block are fenced to the async proxy (fence.proxy.async) before the
 // release that lets TMA overwrite them.
 // Row sums: each consumer sums its own tiles' P, rescaled by every tile's alpha; the two sums
 // are added at the end (both relative to the same final maximum).
+// Instructions per tile: ncu (nineteenth round) put 58% of the consumers' time outside any
+// wait, 484 instructions a warp per tile, 128 of them O's rescale and ~190 the uniform
+// arithmetic that rebuilt each wgmma's descriptors. The default instance steps descriptors from
+// a base (hx::DescSw128) and keeps a lazy row maximum (sf::OnlineSoftmaxLazy), so O is rescaled
+// only on tiles that move a maximum of the warp by more than 2^8; the handoff carries the
+// maxima as before, and the other consumer skips its rescale on the same tiles.
 // (No watchdog on the waits: a trap in the consumers' wait loops made ptxas spill 800 bytes of
 // their registers.)
 #include <cuda.h>
@@ -57,6 +67,7 @@
 #include "common/softmax_fragments.cuh"
 #include "common/tensor_map.h"
 #include "flash512_sm90/flash512_sm90.h"
+#include "flash512_sm90/flash512_sm90_common.h"
 
 
 namespace mila {
@@ -65,27 +76,20 @@ namespace {
 namespace px = ::mila::ptx;
 namespace hx = ::mila::ptx::sm90;
 namespace sf = ::mila::softmax_fragments;
+using namespace ::mila::flash512_sm90;  // geometry (flash512_sm90_common.h)
 
-constexpr int kD = 512;
-constexpr int kBlockM = 64;
-constexpr int kBlockN = 64;
-constexpr int kThreads = 384;
-constexpr int kColBlockBytes = 64 * 64 * 2;         // one TMA box: 64 rows x 128 bytes
-constexpr uint32_t kTileBytes = 8 * kColBlockBytes;   // 64 x 512 bf16
 constexpr uint32_t kKrBytes = 2 * kColBlockBytes;     // K column blocks 0 and 4 of one tile
 constexpr int kOffQ = 0;
 constexpr int kOffV = kOffQ + kTileBytes;             // V stages 0, 1
 constexpr int kOffKr = kOffV + 2 * kTileBytes;        // K block stages 0, 1 (then P handoffs)
 constexpr int kOffM = kOffKr + 2 * kKrBytes;          // float [2][64]: handed-over row maxima
 constexpr int kOffL = kOffM + 2 * 64 * 4;             // float [2][64]: row sums at the end
-constexpr int kOffBar = kOffL + 2 * 64 * 4;           // q, full[2][2], empty[2][2], hand[2]
+constexpr int kOffBar = kOffL + 2 * 64 * 4;  // q, full[2][2], empty[2][2], hand[2]
 constexpr int kSmemBytes = kOffBar + 11 * 8 + 1024;   // + slack to align the base
 static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory per block is 227 KB");
 static_assert(4 * 128 * 16 <= static_cast<int>(kKrBytes), "P handoff must fit the K blocks");
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
-[[maybe_unused]] constexpr float kLog2e = 1.4426950408889634f;
-[[maybe_unused]] constexpr float kLn2 = 0.6931471805599453f;
 
 using sf::NegInf;
 
@@ -102,8 +106,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t sQ = base + kOffQ, sV = base + kOffV, sKr = base + kOffKr;
   const uint32_t bar_q = base + kOffBar;
   // Half-tile groups: group (s, h) = stage s's V column blocks 4h..4h+3 and K block h, filled
-  // under full[s][h] = bar_full + 16 s + 8 h and released under empty[s][h] by consumer h alone
-  // (see "Half groups" above). hand[s] = bar_hand + 8 s.
+  // under full[s][h] = bar_full + 8 (2 s + h) and released under empty[s][h] = bar_empty +
+  // 8 (2 s + h) by consumer h alone (see "Half groups" above). hand[s] = bar_hand + 8 s.
   const uint32_t bar_full = bar_q + 8, bar_empty = bar_q + 40, bar_hand = bar_q + 72;
 
   const int tid = threadIdx.x;
@@ -154,12 +158,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int k = 0; k < 2; ++k) {
           const uint32_t hh = st ^ k, full = bar_full + 16 * st + 8 * hh;
           if (i >= 2) hx::mbar_wait(bar_empty + 16 * st + 8 * hh, ((i >> 1) - 1) & 1);
-          hx::mbar_arrive_expect_tx(full, kTileBytes / 2 + kColBlockBytes);
           const uint32_t v_dst = sV + st * kTileBytes + 4 * hh * kColBlockBytes;
+          hx::mbar_arrive_expect_tx(full, 5 * kColBlockBytes);
 #pragma unroll
-          for (int j = 0; j < 4; ++j)
+          for (int j = 0; j < 4; ++j) {  // V's column blocks 4hh..4hh+3
             hx::tma_load_4d(v_dst + j * kColBlockBytes, &tm_v, full, (4 * hh + j) * 64, h,
                             tile.n0(), b);
+          }
+          // K's rotated column block 4hh
           hx::tma_load_4d(sKr + st * kKrBytes + hh * kColBlockBytes, &tm_k, full, 256 * hh, h,
                           tile.n0(), b);
         }
@@ -212,24 +218,26 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("" : "+r"(vh));
       fence_pv_operands();
       hx::wgmma_fence();
+      const hx::DescSw128 dv(vh, kColBlockBytes, 1024);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const uint64_t dv = hx::desc_sw128(vh + kk * 16 * 128, kColBlockBytes, 1024);
-        hx::wgmma_m64n256k16_rs_tb(o, pa[kk], dv);
-      }
+      for (int kk = 0; kk < 4; ++kk) hx::wgmma_m64n256k16_rs_tb(o, pa[kk], dv.at(kk * 16 * 128));
       hx::wgmma_commit();
     };
     // The other consumer's tile: its row maxima and P from the handoff; O rescaled to the new
-    // maxima (alpha from the same bits the owner used) and l with it.
+    // maxima (alpha from the same bits the owner used; skipped where the owner moved no row
+    // maximum of this warp) and l with it.
     auto take_handoff = [&](int tile) {
       hx::mbar_wait(bar_hand + 8 * (tile & 1), (tile >> 1) & 1);
       const float* hm = hand_m + (tile & 1) * 64;
       float alpha[2];
+      bool moved = false;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float m_new = hm[row + 8 * r];
         const float base_r = m_new == NegInf() ? 0.f : m_new;
-        alpha[r] = px::exp2_approx(m_run[r] - base_r);
+        const bool up = m_new != m_run[r];
+        alpha[r] = up ? px::exp2_approx(m_run[r] - base_r) : 1.f;
+        moved |= up;
         m_run[r] = m_new;
         l_run[r] *= alpha[r];
       }
@@ -244,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         pa[kk][2] = v.z;
         pa[kk][3] = v.w;
       }
-      sf::RescaleRows(o, alpha);
+      if (__any_sync(0xffffffffu, moved)) sf::RescaleRows(o, alpha);
     };
     // Element e of S holds row 16wq+g (+8 if bit 1 of e), key kpos0 + 8(e/4) + 2t4 (+1 if bit
     // 0 of e): -inf where that key is not visible to that row (as in flash512_sm90.cu).
@@ -260,27 +268,26 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (!visible) x = NegInf();
     };
 
-    // Own tile i (stage c) at positions kpos0.., keys_left of them in its segment. kPending
-    // (compile time: a wgmma under a branch ptxas cannot prove uniform serializes every wgmma
-    // of the kernel, C7518): whether the other consumer's tile i - 1 is added in between; true
-    // for every own tile but consumer 0's first.
+    // Own tile i (stage c) at positions kpos0.., keys_left of them in its segment. kPending (compile time: a wgmma under a branch ptxas cannot
+    // prove uniform serializes every wgmma of the kernel, C7518): whether the other consumer's
+    // tile i - 1 is added in between; true for every own tile but consumer 0's first.
     auto own_tile = [&](int i, int64_t kpos0, int keys_left, auto with_pending) {
       constexpr bool kPending = decltype(with_pending)::value;
       const uint32_t st = i & 1;  // == c
-      // `first`: the half that starts S (its first wgmma ignores the accumulators).
+      // S_i over D half hh (group (c, hh)) into s; `first`: its first wgmma ignores s.
       auto issue_s_half = [&](int hh, auto first) {
         uint32_t qb = sQ + 4 * hh * kColBlockBytes;
         uint32_t vb = sV + st * kTileBytes + 4 * hh * kColBlockBytes;
         uint32_t kb = sKr + st * kKrBytes + hh * kColBlockBytes;
         asm volatile("" : "+r"(qb), "+r"(vb), "+r"(kb));
+        const hx::DescSw128 dq(qb, 16, 1024), dvb(vb, 16, 1024), dkb(kb, 16, 1024);
+        hx::mbar_wait(bar_full + 16 * st + 8 * hh, (i >> 1) & 1);
         hx::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 16; ++kk) {
           const uint32_t off = (kk >> 2) * kColBlockBytes + (kk & 3) * 32;
           // Column block 4hh is K's rotated block (the group's K block); the others are V's.
-          const uint32_t kaddr = kk < 4 ? kb + (kk & 3) * 32 : vb + off;
-          const uint64_t da = hx::desc_sw128(qb + off, 16, 1024);
-          const uint64_t db = hx::desc_sw128(kaddr, 16, 1024);
+          const uint64_t da = dq.at(off), db = kk < 4 ? dkb.at((kk & 3) * 32) : dvb.at(off);
           if (decltype(first)::value && kk == 0) {
             hx::wgmma_m64n64k16_ss<false>(s, da, db);
           } else {
@@ -289,23 +296,21 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         hx::wgmma_commit();
       };
-      // 1. S_i over this consumer's half of D (group (c, c), released by its own P V two
-      // tiles back: usually loaded).
       hx::fence_operands(s);
-      hx::mbar_wait(bar_full + 16 * st + 8 * c, (i >> 1) & 1);
+      // 1. S_i over this consumer's half of D (group (c, c), released by its own P V two tiles
+      // back: usually loaded).
       issue_s_half(c, std::true_type{});
       // 2. The other consumer's tile i - 1, as soon as its P is handed over.
       if constexpr (kPending) {
         take_handoff(i - 1);
         issue_pv(i - 1);
       }
-      // 3. S_i over the other half of D (group (c, 1 - c): released by the other consumer's
-      // P V two tiles back).
-      hx::mbar_wait(bar_full + 16 * st + 8 * (1 - c), (i >> 1) & 1);
+      // 3. S_i over the other half of D (group (c, 1 - c): released by the other consumer's P V
+      // two tiles back).
       issue_s_half(1 - c, std::false_type{});
       if constexpr (kPending) {
-        // The first half of S and P V_{i-1} retired: this consumer's group of tile i - 1 (its
-        // V half and the handoff it read) goes back to the producer, for tile i + 1.
+        // The first half of S and P V_{i-1} retired: this consumer's group of tile i - 1 (its V
+        // half and the handoff it read) goes back to the producer, for tile i + 1.
         hx::wgmma_wait<1>();
         fence_pv_operands();
         release(i - 1);
@@ -320,7 +325,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int e = 0; e < 32; ++e) mask(s[e], e, kpos0, keys_left);
       }
       float alpha[2];
-      sf::OnlineSoftmax(s, m_run, l_run, alpha);
+      const bool rescale = sf::OnlineSoftmaxLazy(s, m_run, l_run, alpha);
       // The handoff goes into the other consumer's K block of this stage (its half group: read
       // by S_i's second half, retired).
       uint4* hp = reinterpret_cast<uint4*>(smem + kOffKr + st * kKrBytes +
@@ -338,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       hx::fence_proxy_async_shared();
       hx::mbar_arrive(bar_hand + 8 * st);
       // 5. P_i V_i.
-      sf::RescaleRows(o, alpha);
+      if (rescale) sf::RescaleRows(o, alpha);
       issue_pv(i);
       hx::wgmma_wait<0>();
       fence_pv_operands();
@@ -413,46 +418,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 }  // namespace
 
 cudaError_t LaunchFlashAttentionD512Sm90RotaryKeys(const AttentionParams& p, cudaStream_t stream) {
-  int device = 0, major = 0, minor = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if ((err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device)) != cudaSuccess)
+  LaunchSetup l;
+  if (const cudaError_t err = PrepareLaunch(p, &l); err != cudaSuccess) return err;
+  if (const cudaError_t err =
+          PrepareKernel(Flash512Sm90SeesawKernel, kSmemBytes, kThreads, kProducerRegs,
+                        kConsumerRegs);
+      err != cudaSuccess) {
     return err;
-  if ((err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device)) != cudaSuccess)
-    return err;
-  if (major != 9 || minor != 0) return cudaErrorInvalidDeviceFunction;
-  const int G = p.hq / p.hkv;
-  if (G <= 0 || kBlockM % G != 0) return cudaErrorInvalidConfiguration;
-  const tma::EncodeTiledFn encode = tma::Encoder();
-  if (encode == nullptr) return cudaErrorNotSupported;
-  CUtensorMap tm_q, tm_k, tm_v;
-  if (!tma::EncodeBf16Swizzled(encode, &tm_q, p.q, kD, p.hq, p.t, p.batch, G, kBlockM / G) ||
-      !tma::EncodeBf16Swizzled(encode, &tm_k, p.k, kD, p.hkv, p.s, p.batch, 1, kBlockN) ||
-      !tma::EncodeBf16Swizzled(encode, &tm_v, p.v, kD, p.hkv, p.s, p.batch, 1, kBlockN)) {
-    return cudaErrorInvalidValue;
-  }
-  const int64_t rows = static_cast<int64_t>(p.t) * G;
-  const int64_t num_m_blocks = (rows + kBlockM - 1) / kBlockM;
-  if (num_m_blocks > INT32_MAX - 1) return cudaErrorInvalidValue;
-
-  auto* kernel = Flash512Sm90SeesawKernel;
-  if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  kSmemBytes)) != cudaSuccess) {
-    return err;
-  }
-  // setmaxnreg moves registers within the CTA: refuse to launch (rather than hang in
-  // setmaxnreg.inc) unless the kernel was allocated the 168 registers a thread it needs.
-  cudaFuncAttributes attr{};
-  if ((err = cudaFuncGetAttributes(&attr, kernel)) != cudaSuccess) return err;
-  if (attr.numRegs * kThreads < 128 * kProducerRegs + 256 * kConsumerRegs) {
-    return cudaErrorInvalidConfiguration;
   }
   const ClusterLaunchConfig launch(
-      dim3(static_cast<unsigned>(num_m_blocks), static_cast<unsigned>(p.hkv),
+      dim3(static_cast<unsigned>(l.num_m_blocks), static_cast<unsigned>(p.hkv),
            static_cast<unsigned>(p.batch)),
       dim3(kThreads), kSmemBytes, stream, 1);
-  return cudaLaunchKernelEx(&launch.cfg, kernel, tm_q, tm_k, tm_v, p,
-                            static_cast<int>(num_m_blocks));
+  return cudaLaunchKernelEx(&launch.cfg, Flash512Sm90SeesawKernel, l.tm_q, l.tm_k, l.tm_v, p,
+                            l.num_m_blocks);
 }
 
 }  // namespace mila
