@@ -3,6 +3,7 @@ first kernel (taking the model apart for the jitted step, the step's argument ha
 how long each chunk's dispatch takes against the device's time per chunk.
 
     python3 scripts/host_overhead.py [--model 12b] [--seq 32768] [--chunk 4096] [--reps 3] [--small]
+    python3 scripts/host_overhead.py --arg-sweep [--reps 3]
 
 Two ways of passing the model to the chunk step, side by side:
 - graph: nnx.split(model) -> (GraphDef, State), the GraphDef a static argument that jit hashes
@@ -14,7 +15,9 @@ step call, until it returns (the device runs asynchronously).
 
 The prefill benchmark's device timeline (jax_mila.bench.trace.timeline) shows the first
 chunk's dispatch as one idle gap; this script names its parts. Diagnostic, not a benchmark:
-every number is a best-of-reps host wall time. ``--small`` keeps the card's layers but shrinks
+every number is a best-of-reps host wall time. ``--arg-sweep`` times only the dispatch of a
+jit against its number of array arguments (the chunk step takes the 12B as 1,322), with and
+without a donated argument, to tell per-argument cost from the step's own launch. ``--small`` keeps the card's layers but shrinks
 the widths (hidden 256, MLP 512, vocab 1024), so it runs on a CPU: host costs scale with the
 number of modules and arrays, not their sizes.
 """
@@ -77,6 +80,32 @@ def _chunks(model, step, prepare, ids, chunk: int):
     return 1e3 * (prepared - t0), dispatch, 1e3 * (time.perf_counter() - t0)
 
 
+def arg_sweep(reps: int, counts=(1, 64, 256, 1322, 2644)) -> None:
+    """Host ms of one call of a jit taking n arrays (each read once, one small output), fresh
+    inputs after warm-up; "donated": the first argument donated and returned, as the chunk
+    step does with its cache."""
+    print("| arrays | dispatch ms | until done ms | donated: dispatch ms | until done ms |")
+    print("|---|---|---|---|---|")
+    for n in counts:
+        arrays = [jnp.full((256,), i, jnp.float32) for i in range(n)]
+        plain = jax.jit(lambda *xs: sum(x[0] for x in xs))
+        donated = jax.jit(lambda c, *xs: (c + 1, sum(x[0] for x in xs)), donate_argnums=0)
+        jax.block_until_ready(plain(*arrays))
+        jax.block_until_ready(donated(jnp.zeros((1 << 20,)), *arrays))
+        row = []
+        for fn in (lambda: plain(*arrays), lambda: donated(jnp.zeros((1 << 20,)), *arrays)):
+            best_dispatch, best_done = float("inf"), float("inf")
+            for _ in range(reps):
+                t = time.perf_counter()
+                out = fn()
+                dispatched = time.perf_counter()
+                jax.block_until_ready(out)
+                best_dispatch = min(best_dispatch, dispatched - t)
+                best_done = min(best_done, time.perf_counter() - t)
+            row += [f"{1e3 * best_dispatch:.2f}", f"{1e3 * best_done:.2f}"]
+        print(f"| {n} | " + " | ".join(row) + " |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="12b")
@@ -84,7 +113,12 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--small", action="store_true", help="the card's layers, CPU-sized widths")
+    p.add_argument("--arg-sweep", action="store_true",
+                   help="only the dispatch time of a jit against its number of array arguments")
     args = p.parse_args()
+    if args.arg_sweep:
+        arg_sweep(args.reps)
+        return
 
     model = random_init.random_model(_config(args.model, args.small), quantize="w4a8")
     ids = jnp.asarray(np.random.default_rng(0).integers(3, model.config.vocab_size,
