@@ -7,6 +7,7 @@ segments), KV-shared / PLE / MoE layers, and a seq x heads mesh."""
 
 import functools
 import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -215,6 +216,46 @@ class ChunkedContextParallelTest(parameterized.TestCase):
             self.assertEqual(k.sharding.spec, _spec(None, seq, heads))
         _assert_same_cache(self, cache, want_cache, seed)
 
+    @parameterized.parameters(((2,), ("seq",), None), ((2, 2), ("seq", "heads"), "heads"))
+    def test_the_head_runs_once_after_the_chunks(self, shape, names, tp_axis):
+        # As on one device: every mesh step returns the last real token's hidden state
+        # (replicated, [B, H]), and prefill applies the output head once, after the chunks.
+        seed = _seed()
+        model = _model("k_eq_v", seed)
+        ids = _ids(seed, 19, 256)
+        want, _ = gemma4.prefill(model, ids, chunk_size=8, max_cache_len=24)
+        outs, heads = [], []
+        real_step, real_head = chunked.sharded_chunk_step, chunked.sharded_head
+
+        def recording_step(*args, **kwargs):
+            step, state, cache = real_step(*args, **kwargs)
+
+            def recorded(*a):
+                out = step(*a)
+                outs.append(out[0])
+                return out
+            return recorded, state, cache
+
+        def recording_head(*args, **kwargs):
+            head = real_head(*args, **kwargs)
+            self.assertEqual(kwargs["tp_axis"], tp_axis)
+
+            def recorded(state, last):
+                heads.append(last)
+                return head(state, last)
+            return recorded
+
+        with mock.patch.object(chunked, "sharded_chunk_step", recording_step), \
+             mock.patch.object(chunked, "sharded_head", recording_head):
+            got, _ = gemma4.prefill(model, ids, chunk_size=8, max_cache_len=24,
+                                    mesh=_mesh(shape, names), seq_segments=2)
+        hidden = (ids.shape[0], model.config.hidden_size)  # not the vocabulary's logits
+        self.assertNotEqual(model.config.hidden_size, model.config.vocab_size)
+        self.assertEqual([out.shape for out in outs], [hidden] * 3)
+        self.assertLen(heads, 1)
+        self.assertEqual(got.shape, (ids.shape[0], model.config.vocab_size))
+        _assert_close_logits(self, got, want, seed)
+
     def test_decode_continues_from_the_cache_in_position_order(self):
         seed = _seed()
         model = _model("shared_ple", seed)
@@ -237,8 +278,9 @@ class ChunkedContextParallelTest(parameterized.TestCase):
         for length in (5, 13, 18):
             gemma4.prefill(model, _ids(length, length, 256), chunk_size=4, max_cache_len=32,
                            mesh=mesh, seq_segments=2)
-        self.assertLen(chunked._STEPS, 1)
-        self.assertEqual(next(iter(chunked._STEPS.values()))._cache_size(), 1)
+        self.assertLen(chunked._STEPS, 2)  # the step and the output head
+        for fn in chunked._STEPS.values():
+            self.assertEqual(fn._cache_size(), 1)
 
     @parameterized.parameters(((2,), ("seq",), "seq", None), ((2, 2), ("seq", "heads"), "seq", "heads"))
     def test_empty_cache_is_made_in_its_shards(self, shape, names, seq_axis, tp_axis):

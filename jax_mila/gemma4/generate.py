@@ -80,13 +80,6 @@ def chunk_hidden(model, cache, input_ids, valid):
     return jax.lax.dynamic_index_in_dim(h, valid - 1, axis=1, keepdims=False), cache
 
 
-def chunk_forward(model, cache, input_ids, valid):
-    """``chunk_hidden`` and the logits of that token: the step over a mesh
-    (jax_mila.parallel.chunked: heads and / or sequence split)."""
-    last, cache = chunk_hidden(model, cache, input_ids, valid)
-    return model.logits(last), cache
-
-
 def _chunk_step(structure, weights, cache, input_ids, valid):
     """``chunk_hidden`` as one jitted step, on the model rebuilt from ``model_args``.
     Position and valid length are traced, so every chunk of a prompt (the padded last one
@@ -287,10 +280,12 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
         cache = make_cache()
         structure, state = model_args(model)  # once per call: the weights as they are now
         step = functools.partial(chunk_step_fn(model), structure)
+        head = functools.partial(_head_fn(model), structure)
     else:
         step, state, cache = chunked.sharded_chunk_step(model, nnx.state(model), make_cache,
                                                         mesh, tp_axis=tp, seq_axis=seq,
                                                         segments=segments)
+        head = chunked.sharded_head(model, state, mesh, tp_axis=tp)
     steps = range(chunks)
     if progress:
         from tqdm.auto import tqdm
@@ -301,9 +296,8 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
         out, cache = step(state, cache, padded[:, c * size:(c + 1) * size], valid)
         if progress:  # otherwise the bar would count asynchronous dispatches, not finished chunks
             out.block_until_ready()
-    # The single-device step returns the last token's hidden state (its logits once, here);
-    # the mesh step, its logits.
-    return (out if mesh is not None else _head_fn(model)(structure, state, out)), cache
+    # Each step returns the last real token's hidden state; its logits once, here.
+    return head(state, out), cache
 
 
 def decode(model: Gemma4ForCausalLM, token, cache: KVCache, steps: int):
