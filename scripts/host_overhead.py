@@ -15,11 +15,11 @@ step call, until it returns (the device runs asynchronously).
 
 The prefill benchmark's device timeline (jax_mila.bench.trace.timeline) shows the first
 chunk's dispatch as one idle gap; this script names its parts. Diagnostic, not a benchmark:
-every number is a best-of-reps host wall time. ``--arg-sweep`` times only the dispatch of a
-jit against its number of array arguments (the chunk step takes the 12B as 1,322), with and
-without a donated argument, to tell per-argument cost from the step's own launch. ``--small`` keeps the card's layers but shrinks
+every number is a best-of-reps host wall time. ``--small`` keeps the card's layers but shrinks
 the widths (hidden 256, MLP 512, vocab 1024), so it runs on a CPU: host costs scale with the
-number of modules and arrays, not their sizes.
+number of modules and arrays, not their sizes. ``--arg-sweep`` times only the dispatch of a
+jit against its number of array arguments (the chunk step takes the 12B as 1,322), with and
+without a donated argument, to tell per-argument cost from the step's own launch.
 """
 
 from __future__ import annotations
@@ -81,9 +81,9 @@ def _chunks(model, step, prepare, ids, chunk: int):
 
 
 def arg_sweep(reps: int, counts=(1, 64, 256, 1322, 2644)) -> None:
-    """Host ms of one call of a jit taking n arrays (each read once, one small output), fresh
-    inputs after warm-up; "donated": the first argument donated and returned, as the chunk
-    step does with its cache."""
+    """Host ms of one call of a jit taking n arrays (each read once, one small output), the
+    same arrays every call, after a warm-up call; "donated": a fresh 4 MiB first argument
+    (its creation included) donated and returned, as the chunk step does with its cache."""
     print("| arrays | dispatch ms | until done ms | donated: dispatch ms | until done ms |")
     print("|---|---|---|---|---|")
     for n in counts:
