@@ -44,12 +44,12 @@
 // release that lets TMA overwrite them.
 // Row sums: each consumer sums its own tiles' P, rescaled by every tile's alpha; the two sums
 // are added at the end (both relative to the same final maximum).
-// Instructions per tile: ncu (nineteenth round) put 58% of the consumers' time outside any
-// wait, 484 instructions a warp per tile, 128 of them O's rescale and ~190 the uniform
-// arithmetic that rebuilt each wgmma's descriptors. The default instance steps descriptors from
-// a base (hx::DescSw128) and keeps a lazy row maximum (sf::OnlineSoftmaxLazy), so O is rescaled
-// only on tiles that move a maximum of the warp by more than 2^8; the handoff carries the
-// maxima as before, and the other consumer skips its rescale on the same tiles.
+// Instructions per tile: the kernel steps wgmma descriptors from a base (hx::DescSw128) and
+// keeps a lazy row maximum (sf::OnlineSoftmaxLazy), so O is rescaled only on tiles that move a
+// maximum of the warp by more than 2^8; the handoff carries the maxima as before, and the other
+// consumer skips its rescale on the same tiles. Both cut the consumers' instructions (ncu,
+// nineteenth round: 484 a warp per tile, 128 of them O's rescale, ~190 rebuilding descriptors)
+// but bought only 1-2% (twentieth round): those instructions were off the critical path.
 // (No watchdog on the waits: a trap in the consumers' wait loops made ptxas spill 800 bytes of
 // their registers.)
 #include <cuda.h>
