@@ -92,6 +92,7 @@
 #include "common/ptx.cuh"
 #include "common/tensor_map.h"
 #include "w4a8/w4a8_convert.cuh"
+#include "sm90_device.h"
 
 namespace mila::bench {
 
@@ -906,15 +907,8 @@ int main(int argc, char** argv) {
     std::printf("tiles must be an even number >= 2, got %d\n", tiles);
     return 2;
   }
-  int device = 0, sms = 0, major = 0, minor = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  if (major != 9 || minor != 0) {
-    std::printf("needs compute capability 9.0 (sm_90a), found %d.%d\n", major, minor);
-    return 2;
-  }
+  const int sms = Sm90MultiprocessorCount();
+  if (sms == 0) return 2;
   float* sink = nullptr;
   unsigned long long* clocks = nullptr;
   cudaMalloc(&sink, sizeof(float) * sms * kThreads);

@@ -25,6 +25,7 @@
 
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
+#include "sm90_device.h"
 
 namespace mila::bench {
 namespace hx = ::mila::ptx::sm90;
@@ -165,15 +166,12 @@ void run(const char* name, double flop_per_tile, int sms, int tiles, float* sink
 int main(int argc, char** argv) {
   using namespace mila::bench;
   const int tiles = argc > 1 ? std::atoi(argv[1]) : 20000;
-  int device = 0, sms = 0, major = 0, minor = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  if (major != 9 || minor != 0 || tiles < 8) {
-    std::printf("needs compute capability 9.0 (found %d.%d) and tiles >= 8\n", major, minor);
+  if (tiles < 8) {
+    std::printf("tiles must be >= 8, got %d\n", tiles);
     return 2;
   }
+  const int sms = Sm90MultiprocessorCount();
+  if (sms == 0) return 2;
   float* sink = nullptr;
   unsigned long long* clocks = nullptr;
   cudaMalloc(&sink, sizeof(float) * sms * kThreads);
