@@ -15,7 +15,8 @@
 // dense bf16 peak is 4,096: 989 TFLOP/s at 1.83 GHz). Values are not checked: not a test.
 //
 //   nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -I csrc \
-//        benchmarks/micro/wgmma_seesaw_shapes.cu -o /tmp/wgmma_seesaw_shapes && /tmp/wgmma_seesaw_shapes
+//        benchmarks/micro/wgmma_seesaw_shapes.cu -o /tmp/wgmma_seesaw_shapes
+//   /tmp/wgmma_seesaw_shapes [tiles per warpgroup, default 20000]
 
 #include <cuda_runtime.h>
 
@@ -54,7 +55,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t raw = ptx::smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   uint16_t* fill = reinterpret_cast<uint16_t*>(smem_raw + (base - raw));
-  for (int i = threadIdx.x; i < kTileBytes; i += kThreads) fill[i] = random_bf16(i + 7919 * blockIdx.x);
+  // Q and the K/V tile: kTileBytes bf16 values in all, 64 KB each.
+  for (int i = threadIdx.x; i < kTileBytes; i += kThreads) {
+    fill[i] = random_bf16(i + 7919 * blockIdx.x);
+  }
   __syncthreads();
   const uint32_t sQ = base, sK = base + kTileBytes;
   const int ct = threadIdx.x & 127;
@@ -64,7 +68,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int e = 0; e < 128; ++e) o[e] = 0.f;
   uint32_t pa[4][4];
   for (int kk = 0; kk < 4; ++kk)
-    for (int j = 0; j < 4; ++j) pa[kk][j] = 0x3f803f80u ^ (ct * 0x00010001u + kk + j);  // bf16 pairs near 1.0
+    for (int j = 0; j < 4; ++j) {
+      pa[kk][j] = 0x3f803f80u ^ (ct * 0x00010001u + kk + j);  // bf16 pairs near 1.0
+    }
 
   // No operand fences between tiles: the accumulators are read only after the loop.
   auto issue_s = [&] {

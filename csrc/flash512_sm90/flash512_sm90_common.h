@@ -14,7 +14,8 @@
 namespace mila::flash512_sm90 {
 
 constexpr int kD = 512;
-constexpr int kBlockM = 64;    // packed query rows per M tile (positions x query heads of a KV head)
+// Packed query rows per M tile (positions x the query heads of one KV head).
+constexpr int kBlockM = 64;
 constexpr int kBlockN = 64;    // keys per K/V tile
 constexpr int kThreads = 384;  // a producer warpgroup and two consumers
 constexpr int kColBlockBytes = 64 * 64 * 2;          // one TMA box: 64 rows x 128 bytes

@@ -84,7 +84,7 @@ constexpr int kOffV = kOffQ + kTileBytes;             // V stages 0, 1
 constexpr int kOffKr = kOffV + 2 * kTileBytes;        // K block stages 0, 1 (then P handoffs)
 constexpr int kOffM = kOffKr + 2 * kKrBytes;          // float [2][64]: handed-over row maxima
 constexpr int kOffL = kOffM + 2 * 64 * 4;             // float [2][64]: row sums at the end
-constexpr int kOffBar = kOffL + 2 * 64 * 4;  // q, full[2][2], empty[2][2], hand[2]
+constexpr int kOffBar = kOffL + 2 * 64 * 4;           // q, full[2][2], empty[2][2], hand[2]
 constexpr int kSmemBytes = kOffBar + 11 * 8 + 1024;   // + slack to align the base
 static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory per block is 227 KB");
 static_assert(4 * 128 * 16 <= static_cast<int>(kKrBytes), "P handoff must fit the K blocks");
@@ -268,9 +268,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (!visible) x = NegInf();
     };
 
-    // Own tile i (stage c) at positions kpos0.., keys_left of them in its segment. kPending (compile time: a wgmma under a branch ptxas cannot
-    // prove uniform serializes every wgmma of the kernel, C7518): whether the other consumer's
-    // tile i - 1 is added in between; true for every own tile but consumer 0's first.
+    // Own tile i (stage c) at positions kpos0.., keys_left of them in its segment. kPending
+    // (compile time: a wgmma under a branch ptxas cannot prove uniform serializes every wgmma
+    // of the kernel, C7518): whether the other consumer's tile i - 1 is added in between; true
+    // for every own tile but consumer 0's first.
     auto own_tile = [&](int i, int64_t kpos0, int keys_left, auto with_pending) {
       constexpr bool kPending = decltype(with_pending)::value;
       const uint32_t st = i & 1;  // == c
