@@ -280,12 +280,10 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
         cache = make_cache()
         structure, state = model_args(model)  # once per call: the weights as they are now
         step = functools.partial(chunk_step_fn(model), structure)
-        head = functools.partial(_head_fn(model), structure)
     else:
         step, state, cache = chunked.sharded_chunk_step(model, nnx.state(model), make_cache,
                                                         mesh, tp_axis=tp, seq_axis=seq,
                                                         segments=segments)
-        head = chunked.sharded_head(model, state, mesh, tp_axis=tp)
     steps = range(chunks)
     if progress:
         from tqdm.auto import tqdm
@@ -296,8 +294,11 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
         out, cache = step(state, cache, padded[:, c * size:(c + 1) * size], valid)
         if progress:  # otherwise the bar would count asynchronous dispatches, not finished chunks
             out.block_until_ready()
-    # Each step returns the last real token's hidden state; its logits once, here.
-    return head(state, out), cache
+    # Each step returns the last real token's hidden state; its logits once, here. The mesh
+    # head is looked up only now (its weight specs walk the model), while the chunks run.
+    if mesh is None:
+        return _head_fn(model)(structure, state, out), cache
+    return chunked.sharded_head(model, state, mesh, tp_axis=tp)(state, out), cache
 
 
 def decode(model: Gemma4ForCausalLM, token, cache: KVCache, steps: int):
