@@ -138,6 +138,7 @@
 #include "common/tensor_map.h"
 #include "flash512_sm90/flash512_sm90.h"
 #include "flash512_sm90/flash512_sm90_common.h"
+#include "flash512_sm90/flash512_sm90_epilogue.cuh"
 
 namespace mila {
 namespace {
@@ -596,7 +597,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // ---- Epilogue: row sums over the quad (kSplit: and over both consumers' key halves), lse
     // (consumer 0), O / l in bf16.
-    float inv[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
@@ -614,25 +614,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       l_run[0] += xl[(1 - kHalf) * 64 + row];  // the same sum in both: fp32 + commutes
       l_run[1] += xl[(1 - kHalf) * 64 + row + 8];
     }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) inv[r] = l_run[r] > 0.f ? 1.f / l_run[r] : 0.f;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int pr = m0 + 16 * wq + g + 8 * r;
-      if (pr >= rows_total) continue;
-      const int tq_r = pr / G, gq = pr % G;
-      if (c == 0 && t4 == 0 && p.lse != nullptr) {
-        p.lse[(static_cast<size_t>(b) * p.hq + h * G + gq) * p.t + tq_r] =
-            l_run[r] > 0.f ? (m_run[r] + log2f(l_run[r])) * kLn2 : NegInf();
-      }
-      __nv_bfloat16* orow =
-          p.o + ((static_cast<size_t>(b) * p.t + tq_r) * p.hq + h * G + gq) * kD + 256 * c + 2 * t4;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        *reinterpret_cast<uint32_t*>(orow + 8 * j) =
-            px::pack_bf16x2(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
-      }
-    }
+    StoreOutputRows(p, o, m_run, l_run, m0, 16 * wq + g, c, t4, G, rows_total, h, b);
   };
   if (kSplit && c == 1) {
     consume(std::integral_constant<int, 1>{});
