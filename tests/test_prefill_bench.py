@@ -324,6 +324,12 @@ class BenchTest(absltest.TestCase):
         self.assertIn("| mila | 8 | 8 | 100.0 | 1.0 | 3.00 GiB | 1.00 GiB | 0.50 GiB | 1.50 GiB | 196608 |", text)
         self.assertIn("| reference | 8 | 8 | 300.0 | 1.0 | n/a | n/a | n/a | n/a | n/a |", text)
 
+    def test_summary_line_flags_non_finite_logits(self):
+        row = dict(backend="mila", seq=8, status="ok", tokens_per_s=300.0, median_s=0.1,
+                   times_s=[0.1], first_s=1.0, finite=True)
+        self.assertNotIn("NOT FINITE", bench._summary(row))
+        self.assertIn("LOGITS NOT FINITE", bench._summary(dict(row, finite=False)))
+
     def test_bad_arguments_exit(self):
         for argv in (["--backends", "mila,jax"], ["--seqs", "0"], ["--chunk-size", "x"]):
             with self.assertRaises(SystemExit, msg=str(argv)), \

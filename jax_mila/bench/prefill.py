@@ -394,8 +394,10 @@ def _summary(row: dict) -> str:
     if row.get("status") != "ok":
         return f"{head}: {row.get('status')}"
     peak = f", peak {_gib(row.get('peak_bytes'))}" if row.get("peak_bytes") else ""
+    # In the log too: a later run of the script in the same output folder replaces the JSON.
+    finite = "" if row.get("finite", True) else ", LOGITS NOT FINITE"
     return (f"{head}: {row['tokens_per_s']:,.0f} tok/s (median {row['median_s'] * 1e3:.1f} ms of "
-            f"{len(row['times_s'])}; first call {row['first_s']:.1f} s){peak}")
+            f"{len(row['times_s'])}; first call {row['first_s']:.1f} s){peak}{finite}")
 
 
 def _gib(x) -> str:
