@@ -25,4 +25,28 @@ inline int Sm90MultiprocessorCount() {
   return sms;
 }
 
+// What a timed loop writes: one float per thread that keeps its results alive (`sink`) and
+// block 0's SM cycles and nanoseconds (`clocks`). Freed with the object.
+struct LoopOutputs {
+  float* sink = nullptr;
+  unsigned long long* clocks = nullptr;
+
+  LoopOutputs() = default;
+  LoopOutputs(const LoopOutputs&) = delete;
+  LoopOutputs& operator=(const LoopOutputs&) = delete;
+  ~LoopOutputs() {
+    cudaFree(sink);
+    cudaFree(clocks);
+  }
+  // For `sms` CTAs of `threads` threads; false (after printing why) if an allocation failed.
+  bool Allocate(int sms, int threads) {
+    if (cudaMalloc(&sink, sizeof(float) * sms * threads) != cudaSuccess ||
+        cudaMalloc(&clocks, 2 * sizeof(unsigned long long)) != cudaSuccess) {
+      std::printf("cudaMalloc of the loop outputs failed\n");
+      return false;
+    }
+    return true;
+  }
+};
+
 }  // namespace mila::bench

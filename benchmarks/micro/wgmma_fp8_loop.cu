@@ -909,10 +909,10 @@ int main(int argc, char** argv) {
   }
   const int sms = Sm90MultiprocessorCount();
   if (sms == 0) return 2;
-  float* sink = nullptr;
-  unsigned long long* clocks = nullptr;
-  cudaMalloc(&sink, sizeof(float) * sms * kThreads);
-  cudaMalloc(&clocks, 2 * sizeof(unsigned long long));
+  LoopOutputs outputs;
+  if (!outputs.Allocate(sms, kThreads)) return 2;
+  float* const sink = outputs.sink;
+  unsigned long long* const clocks = outputs.clocks;
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
@@ -980,7 +980,5 @@ int main(int argc, char** argv) {
   for (const Result& r : runs)
     std::printf("| %s | %.3f | %.0f | %.0f |\n", r.name, r.timing.ms,
                 kFlopPerTile * sms * tiles / (r.timing.ms * 1e-3) / 1e12, r.timing.mhz);
-  cudaFree(sink);
-  cudaFree(clocks);
   return 0;
 }

@@ -178,10 +178,10 @@ int main(int argc, char** argv) {
   }
   const int sms = Sm90MultiprocessorCount();
   if (sms == 0) return 2;
-  float* sink = nullptr;
-  unsigned long long* clocks = nullptr;
-  cudaMalloc(&sink, sizeof(float) * sms * kThreads);
-  cudaMalloc(&clocks, 2 * sizeof(unsigned long long));
+  LoopOutputs outputs;
+  if (!outputs.Allocate(sms, kThreads)) return 2;
+  float* const sink = outputs.sink;
+  unsigned long long* const clocks = outputs.clocks;
   std::printf("| variant | TFLOP/s | SM MHz | FLOP / SM cycle |\n|---|---|---|---|\n");
   run<kS>("s", kSFlop, sms, tiles, sink, clocks);
   run<kSDeep>("s_deep", kSFlop, sms, tiles, sink, clocks);
