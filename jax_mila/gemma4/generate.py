@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jax_mila.gemma4 import cache as kv
+from jax_mila.gemma4 import pieces
 from jax_mila.gemma4.cache import KVCache
 from jax_mila.gemma4.model import Gemma4ForCausalLM
 from jax_mila.parallel import chunked
@@ -276,7 +277,13 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
         max_len, layout = chunked.capacity(max_len, devices, segments), (devices, segments)
     make_cache = functools.partial(kv.empty, model.config, batch, max_len, model.dtype,
                                    full_dtype=kv_cache_dtype, seq_layout=layout)
-    if mesh is None:
+    in_pieces = mesh is None and pieces.applies(model)
+    if in_pieces:
+        # Layer pieces: the host takes apart and dispatches only the first piece before the
+        # device starts (jax_mila.gemma4.pieces); the head's weights are taken after the chunks.
+        cache, state = make_cache(), None
+        step = pieces.ChunkPieces(model).step
+    elif mesh is None:
         cache = make_cache()
         structure, state = model_args(model)  # once per call: the weights as they are now
         step = functools.partial(chunk_step_fn(model), structure)
@@ -296,6 +303,8 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
             out.block_until_ready()
     # Each step returns the last real token's hidden state; its logits once, here. The mesh
     # head is looked up only now (its weight specs walk the model), while the chunks run.
+    if in_pieces:
+        structure, state = model_args(model)
     if mesh is None:
         return _head_fn(model)(structure, state, out), cache
     return chunked.sharded_head(model, state, mesh, tp_axis=tp)(state, out), cache

@@ -1,0 +1,123 @@
+"""The chunked prefill's step in pieces of consecutive decoder layers, one jitted call each.
+
+Why: one jitted chunk step takes the whole model as arguments (the 12B: 1,322 arrays). Before
+the device can start the first chunk, the host must take the model apart (a pytree flatten,
+~6 ms on the H200's host) and dispatch that call (7-13 ms, growing faster than the argument
+count). The GPU idles through both, 25-28 ms of a 32K prefill's ~1,005 ms
+(docs/performance.md, twenty-first round). In pieces, the host only flattens and dispatches
+the first piece (the embedding and FIRST_PIECE_LAYERS layers) before the device has work; the
+other pieces are flattened and dispatched while it runs.
+
+A piece reads the embedding (the first piece) and its layers' weights, takes the hidden state
+of the piece before it (the first: the chunk's token ids) and its layers' cache entries
+(donated), and returns the hidden state (the last piece: the last real token's, as
+generate.chunk_hidden does) and the new entries. Each layer runs exactly as in
+Gemma4ForCausalLM.hidden_states(mode="chunk"), so the pieces compute what the one-step chunk
+does. Models with per-layer embeddings or KV-shared layers keep the one-step path (a layer
+there reads more than its own entry and the previous hidden state), as does every mesh.
+JAX_MILA_PREFILL_ONE_STEP=1 (read per prefill call) keeps it too, for A/B timing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jax_mila.gemma4.cache import KVCache
+from jax_mila.gemma4.model import Gemma4ForCausalLM
+from jax_mila.gemma4.rope import rope_tables
+
+ONE_STEP_ENV = "JAX_MILA_PREFILL_ONE_STEP"
+FIRST_PIECE_LAYERS = 2  # what the host takes apart and dispatches before the device has work
+PIECE_LAYERS = 6        # the other pieces (each a dispatch per chunk, hidden behind the device)
+
+
+def applies(model: Gemma4ForCausalLM) -> bool:
+    """Whether ``generate.prefill`` runs this model's single-device chunks in pieces: not with
+    per-layer embeddings or KV-shared layers, nor where flax does not flatten modules to their
+    arrays (generate.model_args then takes the nnx.split path, and so does the one-step chunk)."""
+    cfg = model.config
+    if (os.environ.get(ONE_STEP_ENV) == "1" or cfg.has_ple or cfg.num_kv_shared_layers
+            or not len(model.layers)):
+        return False
+    try:
+        leaves = jax.tree.leaves(model.layers[0].input_layernorm)
+    except Exception:  # noqa: BLE001 -- any flatten failure means graph mode
+        return False
+    return bool(leaves) and all(isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or
+                                hasattr(x, "__array__") for x in leaves)
+
+
+def bounds(num_layers: int) -> list[tuple[int, int]]:
+    """Layer ranges [start, stop) of the pieces: FIRST_PIECE_LAYERS, then PIECE_LAYERS each."""
+    out, start, size = [], 0, FIRST_PIECE_LAYERS
+    while start < num_layers:
+        stop = min(start + size, num_layers)
+        out.append((start, stop))
+        start, size = stop, PIECE_LAYERS
+    return out
+
+
+def _piece(structure, weights, x, entries, offset, valid, rope, dtype, max_len, last):
+    """Layers of one piece on x (token ids for the first piece, else the hidden state)."""
+    embed, layers = jax.tree.unflatten(structure, weights)
+    h = embed(x) if embed is not None else x
+    positions = offset + jnp.arange(h.shape[1], dtype=jnp.int32)
+    tables = {layer_type: rope_tables(spec, positions, dtype) for layer_type, spec in rope}
+    new_entries = []
+    for layer, entry in zip(layers, entries):
+        h, _, new_entry = layer(h, None, *tables[layer.spec.layer_type], offset=offset,
+                                mode="chunk", entry=entry, max_len=max_len, valid=valid,
+                                shared=None)
+        new_entries.append(new_entry)
+    if last:
+        h = jax.lax.dynamic_index_in_dim(h, valid - 1, axis=1, keepdims=False)
+    return h, tuple(new_entries)
+
+
+_STATIC = ("structure", "rope", "dtype", "max_len", "last")
+# Compile options as generate's chunk steps (the kernel backend without XLA's autotuner).
+_piece_reference = jax.jit(_piece, static_argnames=_STATIC, donate_argnames=("entries",))
+_piece_kernels = jax.jit(_piece, static_argnames=_STATIC, donate_argnames=("entries",),
+                         compiler_options={"xla_gpu_autotune_level": 0})
+
+
+class ChunkPieces:
+    """The pieces of one model for one prefill call: each piece's weights are taken from the
+    model once, when the first chunk dispatches that piece (so the first chunk's later pieces
+    are taken apart while the device runs its earlier ones), and reused by later chunks."""
+
+    def __init__(self, model: Gemma4ForCausalLM):
+        self._model = model
+        self._bounds = bounds(len(model.layers))
+        self._args: list = [None] * len(self._bounds)
+        self._rope = tuple(sorted(model.config.rope.items()))
+        self._step = _piece_reference if model.backend == "reference" else _piece_kernels
+
+    def _piece_args(self, i: int):
+        if self._args[i] is None:
+            start, stop = self._bounds[i]
+            modules = (self._model.embed_tokens if start == 0 else None,
+                       tuple(self._model.layers[start:stop]))
+            leaves, structure = jax.tree.flatten(modules)
+            self._args[i] = (structure, leaves)
+        return self._args[i]
+
+    def step(self, _state, cache: KVCache, input_ids, valid):
+        """One chunk, as generate's chunk step (whose first argument, the model's arrays, it
+        does not take): (the last real token's hidden state [B, H], the cache with the chunk's
+        keys and values, length + valid)."""
+        keys, values = list(cache.keys), list(cache.values)
+        x = input_ids
+        for i, (start, stop) in enumerate(self._bounds):
+            structure, weights = self._piece_args(i)
+            entries = tuple((keys[j], values[j]) for j in range(start, stop))
+            x, new = self._step(structure, weights, x, entries, cache.length, valid,
+                                rope=self._rope, dtype=self._model.dtype,
+                                max_len=cache.max_len, last=stop == len(keys))
+            for j, (k, v) in zip(range(start, stop), new):
+                keys[j], values[j] = k, v
+        return x, KVCache(keys=tuple(keys), values=tuple(values), length=cache.length + valid,
+                          max_len=cache.max_len, seq_layout=cache.seq_layout)

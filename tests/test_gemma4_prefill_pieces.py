@@ -1,0 +1,107 @@
+"""The chunked prefill in layer pieces (jax_mila.gemma4.pieces) computes what the one-step
+chunk computes (JAX_MILA_PREFILL_ONE_STEP=1), applies only where a layer reads nothing but its
+own cache entry and the previous hidden state, and reads the model's current weights.
+
+Tiny random models on the reference backend (CPU): 12B-like (sliding and full layers, K=V full
+layers, no per-layer embeddings, no KV sharing; 9 layers: pieces [0, 2), [2, 8), [8, 9)) and
+a MoE one. Chunk sizes pad the last chunk and straddle the window, so rings wrap inside and
+across chunks. Fresh random prompts every run.
+"""
+
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from jax_mila import gemma4
+from jax_mila.gemma4 import pieces
+from test_gemma4_chunked_prefill import assert_close_logits, assert_same_cache, prompt
+from test_gemma4_generate import F, S, tiny_model
+
+TWELVE_B_LIKE = dict(num_hidden_layers=9, layer_types=[S, S, F, S, S, S, F, S, F],
+                     num_kv_shared_layers=0, hidden_size_per_layer_input=0, sliding_window=4)
+MOE = dict(sliding_window=5, num_hidden_layers=4, layer_types=[S, S, F, F],
+           num_kv_shared_layers=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+           moe_intermediate_size=16, hidden_size_per_layer_input=0)
+
+
+def one_step():
+    return mock.patch.dict(os.environ, {pieces.ONE_STEP_ENV: "1"})
+
+
+class PiecesTest(parameterized.TestCase):
+
+    def test_bounds(self):
+        self.assertEqual(pieces.bounds(48), [(0, 2), (2, 8), (8, 14), (14, 20), (20, 26),
+                                             (26, 32), (32, 38), (38, 44), (44, 48)])
+        self.assertEqual(pieces.bounds(9), [(0, 2), (2, 8), (8, 9)])
+        self.assertEqual(pieces.bounds(1), [(0, 1)])
+        self.assertEqual(pieces.bounds(0), [])
+
+    def test_applies_only_without_ple_or_kv_sharing(self):
+        self.assertTrue(pieces.applies(tiny_model(**TWELVE_B_LIKE)))
+        self.assertTrue(pieces.applies(tiny_model(**MOE)))
+        self.assertFalse(pieces.applies(tiny_model()))  # PLE and KV-shared layers
+        self.assertFalse(pieces.applies(tiny_model(num_kv_shared_layers=0)))  # PLE
+        self.assertFalse(pieces.applies(tiny_model(hidden_size_per_layer_input=0)))  # sharing
+        with one_step():
+            self.assertFalse(pieces.applies(tiny_model(**TWELVE_B_LIKE)))
+
+    @parameterized.named_parameters(
+        ("12b_like_chunk3", TWELVE_B_LIKE, 3, 11),
+        ("12b_like_chunk5", TWELVE_B_LIKE, 5, 23),
+        ("12b_like_one_chunk", TWELVE_B_LIKE, 16, 9),
+        ("moe_chunk4", MOE, 4, 13),
+    )
+    def test_pieces_equal_one_step(self, config, chunk, length):
+        # float64 on the host CPU, as test_gemma4_chunked_prefill's equality with the one-shot
+        # prefill (its comment says why): the pieces change no sum, so the bounds hold with
+        # room to spare; a key in a wrong slot or a wrong offset moves them by O(0.1).
+        with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+            model = tiny_model(seed=length, dtype=jnp.float64, **config)
+            ids = prompt(chunk, length)
+            logits, cache = gemma4.prefill(model, ids, chunk_size=chunk)
+            with one_step():
+                ref_logits, ref_cache = gemma4.prefill(model, ids, chunk_size=chunk)
+            assert_close_logits(logits, ref_logits)
+            assert_same_cache(self, cache, ref_cache)
+            # And both equal the one-shot prefill (no chunks).
+            full, _ = gemma4.prefill(model, ids)
+            assert_close_logits(logits, full)
+
+    def test_pieces_run_on_the_chunk_step_path(self):
+        # The pieces' step is what runs, once per piece and chunk; the one-step chunk is not
+        # called.
+        model = tiny_model(**TWELVE_B_LIKE)
+        ids = prompt(0, 10)
+        calls = []
+        real = pieces.ChunkPieces.step
+
+        def counting(self_, *args):
+            calls.append(len(self_._bounds))
+            return real(self_, *args)
+
+        with mock.patch.object(pieces.ChunkPieces, "step", counting):
+            gemma4.prefill(model, ids, chunk_size=4)
+        self.assertEqual(calls, [3, 3, 3])  # 3 chunks (the last padded), 3 pieces each
+
+    def test_pieces_read_the_current_weights(self):
+        model = tiny_model(**TWELVE_B_LIKE)
+        ids = prompt(1, 9)
+        before, _ = gemma4.prefill(model, ids, chunk_size=4)
+        down = model.layers[5].mlp.down_proj
+        down.kernel.set_value(-down.kernel[...])  # a post-norm follows: scaling would cancel
+        after, _ = gemma4.prefill(model, ids, chunk_size=4)
+        with one_step():
+            ref, _ = gemma4.prefill(model, ids, chunk_size=4)
+        self.assertGreater(float(jnp.max(jnp.abs(after - before))), 1e-3)
+        assert_close_logits(after, ref)
+
+
+if __name__ == "__main__":
+    absltest.main()
