@@ -74,6 +74,22 @@ class PiecesTest(parameterized.TestCase):
             full, _ = gemma4.prefill(model, ids)
             assert_close_logits(logits, full)
 
+    def test_kernel_backend_pieces(self):
+        # backend "auto": the pieces' jit with the kernel path's compile options (no XLA
+        # autotuning), bf16 with head dims 256 / 512 through jax_mila.ffi (its references here,
+        # the kernels on a GPU).
+        config = dict(TWELVE_B_LIKE, head_dim=256, global_head_dim=512)
+        model = tiny_model(seed=3, dtype=jnp.bfloat16, backend="auto", **config)
+        ids = prompt(2, 10)
+        logits, cache = gemma4.prefill(model, ids, chunk_size=4)
+        with one_step():
+            ref_logits, ref_cache = gemma4.prefill(model, ids, chunk_size=4)
+        np.testing.assert_array_equal(np.asarray(logits, np.float32),
+                                      np.asarray(ref_logits, np.float32))
+        self.assertEqual(int(cache.length), int(ref_cache.length))
+        for a, b in zip(cache.keys + cache.values, ref_cache.keys + ref_cache.values):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
     def test_pieces_run_on_the_chunk_step_path(self):
         # The pieces' step is what runs, once per piece and chunk; the one-step chunk is not
         # called.
