@@ -42,6 +42,11 @@ class PiecesTest(parameterized.TestCase):
         self.assertEqual(pieces.bounds(9), [(0, 2), (2, 8), (8, 9)])
         self.assertEqual(pieces.bounds(1), [(0, 1)])
         self.assertEqual(pieces.bounds(0), [])
+        self.assertEqual(pieces.bounds(48, 23), [(0, 2), (2, 25), (25, 48)])
+        with mock.patch.dict(os.environ, {pieces.PIECE_LAYERS_ENV: "23"}):
+            self.assertEqual(pieces.bounds(48), [(0, 2), (2, 25), (25, 48)])
+        with self.assertRaisesRegex(ValueError, "at least one layer"):
+            pieces.bounds(48, 0)
 
     def test_applies_only_without_ple_or_kv_sharing(self):
         self.assertTrue(pieces.applies(tiny_model(**TWELVE_B_LIKE)))

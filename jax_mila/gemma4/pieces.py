@@ -31,7 +31,15 @@ from jax_mila.gemma4.rope import rope_tables
 
 ONE_STEP_ENV = "JAX_MILA_PREFILL_ONE_STEP"
 FIRST_PIECE_LAYERS = 2  # what the host takes apart and dispatches before the device has work
-PIECE_LAYERS = 6        # the other pieces (each a dispatch per chunk, hidden behind the device)
+# The other pieces: each is a dispatch per chunk (hidden behind the device) and a boundary
+# where one executable ends before the next starts. 12B at chunk 16384 (docs/performance.md,
+# twenty-first round): -16.2 ms at 32K and -8.8 ms at 64K against one step, which fits ~24 ms
+# of host time saved and ~0.4 ms lost per boundary. Larger pieces would lose less; the host
+# keeps ahead as long as it takes a piece apart and dispatches it faster than the device runs
+# the one before (2 layers: ~40 ms at chunk 16384). JAX_MILA_PREFILL_PIECE_LAYERS (read per
+# prefill call) overrides it, for A/B timing.
+PIECE_LAYERS = 6
+PIECE_LAYERS_ENV = "JAX_MILA_PREFILL_PIECE_LAYERS"
 
 
 def applies(model: Gemma4ForCausalLM) -> bool:
@@ -50,13 +58,18 @@ def applies(model: Gemma4ForCausalLM) -> bool:
                                 hasattr(x, "__array__") for x in leaves)
 
 
-def bounds(num_layers: int) -> list[tuple[int, int]]:
-    """Layer ranges [start, stop) of the pieces: FIRST_PIECE_LAYERS, then PIECE_LAYERS each."""
+def bounds(num_layers: int, piece_layers: int | None = None) -> list[tuple[int, int]]:
+    """Layer ranges [start, stop) of the pieces: FIRST_PIECE_LAYERS, then ``piece_layers``
+    each (default: JAX_MILA_PREFILL_PIECE_LAYERS if set, else PIECE_LAYERS)."""
+    if piece_layers is None:
+        piece_layers = int(os.environ.get(PIECE_LAYERS_ENV, PIECE_LAYERS))
+    if piece_layers < 1:
+        raise ValueError(f"{PIECE_LAYERS_ENV}={piece_layers}: a piece needs at least one layer")
     out, start, size = [], 0, FIRST_PIECE_LAYERS
     while start < num_layers:
         stop = min(start + size, num_layers)
         out.append((start, stop))
-        start, size = stop, PIECE_LAYERS
+        start, size = stop, piece_layers
     return out
 
 
