@@ -1,7 +1,7 @@
 """End-to-end Gemma 4 prefill: tokens/s, peak device memory and where the time goes.
 
     python3 benchmarks/prefill.py [--model 12b] [--seqs 4096,8192,16384,32768,65536]
-        [--backends mila,reference,transformers] [--chunk-size 16384|auto] [--memory-budget-gib 12]
+        [--backends mila,reference,transformers] [--chunk-size 32768|auto] [--memory-budget-gib 12]
         [--reps 3] [--embed-dtype bfloat16|float8_e4m3fn] [--no-profile] [--devices 1,2]
     (also: python -m jax_mila bench prefill [same options])
 
@@ -28,7 +28,7 @@ Per length (ascending): one first call (compile included: "first"), --warmup mor
 timed calls, each a separate ``gemma4.prefill`` synchronised at its end (median reported;
 time to first token = that prefill time, the logits of the last position are its output).
 Every JAX call is dispatched separately (no batching of runs into one program).
-Chunked prefill with one chunk size for all lengths (``--chunk-size``, default 16384; "auto":
+Chunked prefill with one chunk size for all lengths (``--chunk-size``, default 32768; "auto":
 ``default_chunk_size`` for the longest length under --memory-budget-gib), min(chunk, length).
 
 Memory: the allocator's ``peak_bytes_in_use`` (torch: max_memory_allocated), which JAX cannot
@@ -67,12 +67,12 @@ BACKENDS = ("mila", "reference", "transformers")
 DEFAULT_SEQS = (4096, 8192, 16384, 32768, 65536)
 # A fixed default chunk: the one gemma4.prefill itself picks on an H200 when no memory budget
 # is given (default_chunk_size clamps the free memory's plan to MAX_CHUNK). Measured on the H200
-# (2026-12-02, docs/performance.md), 12B at 32K / 64K: 4096 -> 16384 is +3.5% / +2.1% tokens/s
-# (fewer chunks: fewer launches and last waves, GEMMs at M = 16384), at 9.50 / 10.03 GiB peak,
-# inside the 12 GiB budget. default_chunk_size under that budget (--chunk-size auto) plans
-# smaller chunks (4096 at 64K): its per-token estimate keeps the margin the 31B needs. Each
-# worker prints what auto would pick.
-DEFAULT_CHUNK = 16384
+# (docs/performance.md), 12B at 32K / 64K: 4096 -> 16384 is +3.5% / +2.1% tokens/s (fewer
+# chunks: fewer launches and last waves, GEMMs at M = 16384), 16384 -> 32768 about +1% more, at
+# 10.84 / 11.36 GiB peak, inside the 12 GiB budget. default_chunk_size under that budget
+# (--chunk-size auto) plans smaller chunks (4096 at 64K): its per-token estimate keeps the
+# margin the 31B needs. Each worker prints what auto would pick.
+DEFAULT_CHUNK = 32768
 RESULT = "RESULT "  # worker -> parent: one JSON object per line after this prefix
 
 

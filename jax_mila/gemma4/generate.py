@@ -150,7 +150,10 @@ def forward(model: Gemma4ForCausalLM, input_ids) -> jax.Array:
 
 
 DEFAULT_CHUNK = 2048        # tokens per chunk when the device reports no memory figures
-MIN_CHUNK, MAX_CHUNK = 256, 16384
+# MAX_CHUNK: 12B on the H200 (docs/performance.md, twenty-second round), 16384 -> 32768 is about
+# +1% at 32K and 64K (half the chunk boundaries: launches, last waves, the sliding layers'
+# slabs), at 10.84 / 11.36 GiB peak against 9.50 / 10.03.
+MIN_CHUNK, MAX_CHUNK = 256, 32768
 ACTIVATION_FRACTION = 0.5   # of the free device memory, for one chunk's activations
 # One chunk token's activations, in values of the model's widest layer activation (hidden, MLP
 # gate+up, all query heads, routed experts' gate+up) in its dtype. Measured on the H200 (12B,
