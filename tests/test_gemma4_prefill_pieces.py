@@ -111,6 +111,31 @@ class PiecesTest(parameterized.TestCase):
             gemma4.prefill(model, ids, chunk_size=4)
         self.assertEqual(calls, [3, 3, 3])  # 3 chunks (the last padded), 3 pieces each
 
+    def test_middle_pieces_write_the_hidden_state_in_place(self):
+        # The hidden state a middle piece takes is donated (its buffer is gone after the call,
+        # XLA wrote the new one over it); the first piece's token ids and the last piece's
+        # input are not (the one's is int, the other returns a row). Pieces of one layer after
+        # the first two: [0, 2), [2, 3), ..., [8, 9).
+        model = tiny_model(**TWELVE_B_LIKE)
+        seen = []
+        real = pieces._jitted
+
+        def recording(kernels, donate_hidden):
+            run = real(kernels, donate_hidden)
+
+            def call(structure, weights, x, *args, **kwargs):
+                out = run(structure, weights, x, *args, **kwargs)
+                seen.append((donate_hidden, x.dtype == jnp.int32, x.is_deleted()))
+                return out
+            return call
+
+        with mock.patch.object(pieces, "_jitted", recording), \
+             mock.patch.dict(os.environ, {pieces.PIECE_LAYERS_ENV: "1"}):
+            gemma4.prefill(model, prompt(4, 6), chunk_size=4)
+        first, last = (False, True, False), (False, False, False)
+        middle = [(True, False, True)] * 6
+        self.assertEqual(seen, ([first] + middle + [last]) * 2)  # 2 chunks of 8 pieces
+
     def test_pieces_read_the_current_weights(self):
         model = tiny_model(**TWELVE_B_LIKE)
         ids = prompt(1, 9)

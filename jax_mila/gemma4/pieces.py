@@ -20,6 +20,7 @@ JAX_MILA_PREFILL_ONE_STEP=1 (read per prefill call) keeps it too, for A/B timing
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -91,10 +92,19 @@ def _piece(structure, weights, x, entries, offset, valid, rope, dtype, max_len, 
 
 
 _STATIC = ("structure", "rope", "dtype", "max_len", "last")
-# Compile options as generate's chunk steps (the kernel backend without XLA's autotuner).
-_piece_reference = jax.jit(_piece, static_argnames=_STATIC, donate_argnames=("entries",))
-_piece_kernels = jax.jit(_piece, static_argnames=_STATIC, donate_argnames=("entries",),
-                         compiler_options={"xla_gpu_autotune_level": 0})
+
+
+@functools.cache
+def _jitted(kernels: bool, donate_hidden: bool):
+    """The piece's jit: the cache entries donated (updated in place), and the hidden state
+    where the piece returns one of its shape (not the first piece, whose x is the token ids,
+    nor the last, which returns one row), so XLA writes the new hidden state over the old:
+    otherwise both are live across the piece (12B, chunk 32768: 0.23 GiB each). The kernel
+    backend compiles as generate's chunk steps do, without XLA's autotuner."""
+    donate = ("x", "entries") if donate_hidden else ("entries",)
+    options = {"xla_gpu_autotune_level": 0} if kernels else None
+    return jax.jit(_piece, static_argnames=_STATIC, donate_argnames=donate,
+                   compiler_options=options)
 
 
 class ChunkPieces:
@@ -107,7 +117,7 @@ class ChunkPieces:
         self._bounds = bounds(len(model.layers))
         self._args: list = [None] * len(self._bounds)
         self._rope = tuple(sorted(model.config.rope.items()))
-        self._step = _piece_reference if model.backend == "reference" else _piece_kernels
+        self._kernels = model.backend != "reference"
 
     def _piece_args(self, i: int):
         if self._args[i] is None:
@@ -127,9 +137,10 @@ class ChunkPieces:
         for i, (start, stop) in enumerate(self._bounds):
             structure, weights = self._piece_args(i)
             entries = tuple((keys[j], values[j]) for j in range(start, stop))
-            x, new = self._step(structure, weights, x, entries, cache.length, valid,
-                                rope=self._rope, dtype=self._model.dtype,
-                                max_len=cache.max_len, last=stop == len(keys))
+            last = stop == len(keys)
+            run = _jitted(self._kernels, donate_hidden=0 < start and not last)
+            x, new = run(structure, weights, x, entries, cache.length, valid, rope=self._rope,
+                         dtype=self._model.dtype, max_len=cache.max_len, last=last)
             for j, (k, v) in zip(range(start, stop), new):
                 keys[j], values[j] = k, v
         return x, KVCache(keys=tuple(keys), values=tuple(values), length=cache.length + valid,
