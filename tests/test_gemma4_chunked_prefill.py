@@ -230,6 +230,44 @@ class ChunkedPrefillTest(parameterized.TestCase):
         self.assertEqual(gen.chunk_step_fn(model)._cache_size() - before, 1)
         assert_close_logits(logits, ref)
 
+    def test_chunk_spans(self):
+        self.assertEqual(gen.chunk_spans(64, 32), [32, 32])
+        self.assertEqual(gen.chunk_spans(65, 32), [32, 32, 32])  # padded to the chunk
+        with mock.patch.object(gen, "MIN_CHUNK", 4):
+            self.assertEqual(gen.chunk_spans(65, 32, short_tail=True), [32, 32, 4])
+            self.assertEqual(gen.chunk_spans(69, 32, short_tail=True), [32, 32, 8])
+            self.assertEqual(gen.chunk_spans(81, 32, short_tail=True), [32, 32, 32])  # 17 -> 32
+            self.assertEqual(gen.chunk_spans(69, 32, short_tail=True, multiple=3), [32, 32, 9])
+            self.assertEqual(gen.chunk_spans(3, 32, short_tail=True), [4])
+        self.assertEqual(gen.chunk_spans(40000, 32768, short_tail=True), [32768, 8192])
+        self.assertEqual(gen.chunk_spans(32769, 32768, short_tail=True), [32768, gen.MIN_CHUNK])
+
+    def test_default_chunks_end_in_a_short_tail(self):
+        # chunk_size=None: whole chunks of the plan, then the 3 tokens left in a chunk of 4
+        # (one more compiled step), not one padded to 8; the same logits and cache as chunks
+        # of 8 that pad, and as the one-shot prefill.
+        model = tiny_model()
+        ids = prompt(0, 19)
+        ref, _ = gemma4.prefill(model, ids, max_cache_len=24)
+        padded_logits, padded_cache = gemma4.prefill(model, ids, chunk_size=8, max_cache_len=24)
+        widths, step = [], gen.chunk_step_fn(model)
+        before = step._cache_size()
+
+        def record(*args):
+            widths.append(args[3].shape[1])  # (structure, state, cache, ids, valid)
+            return step(*args)
+
+        with mock.patch.object(gen, "default_chunk_size", return_value=8), \
+             mock.patch.object(gen, "MIN_CHUNK", 2), \
+             mock.patch.object(gen, "chunk_step_fn", return_value=record):
+            logits, cache = gemma4.prefill(model, ids, max_cache_len=24)
+        self.assertEqual(widths, [8, 8, 4])
+        self.assertEqual(step._cache_size() - before, 1)  # the tail (chunks of 8: compiled above)
+        self.assertEqual(int(cache.length), 19)
+        assert_close_logits(logits, ref)
+        assert_close_logits(logits, padded_logits)
+        assert_same_cache(self, cache, padded_cache)
+
     def test_default_chunk_size_for_the_12b_at_64k(self):
         # The H200 measurements the plan comes from (docs/performance.md): 12B, bf16 MXFP4
         # weights (7.27 GiB in use), 64K tokens, 12 GiB budget. On the kernels, chunk 4096 ran

@@ -219,6 +219,22 @@ def default_chunk_size(model: Gemma4ForCausalLM, batch: int, max_len: int, *,
     return max(MIN_CHUNK, min(MAX_CHUNK, 1 << (tokens.bit_length() - 1)))
 
 
+def chunk_spans(length: int, size: int, *, short_tail: bool = False,
+                multiple: int = 1) -> list[int]:
+    """The widths of the chunks a prompt of ``length`` tokens runs in: chunks of ``size``,
+    the last one padded to ``size``; with ``short_tail``, the last one (if it is not whole) is
+    the smallest power of two that holds what is left, at least MIN_CHUNK, rounded up to a
+    multiple of ``multiple`` (the seq axis' devices), at most ``size``."""
+    full, left = divmod(length, size)
+    if not left:
+        return [size] * full
+    tail = size
+    if short_tail:
+        tail = max(MIN_CHUNK, 1 << (left - 1).bit_length())
+        tail = min(size, -(-tail // multiple) * multiple)
+    return [size] * full + [tail]
+
+
 def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = None,
             max_cache_len: int | None = None, progress: bool = False, kv_cache_dtype=None,
             mesh=None, tp_axis: str = "heads", seq_axis: str = "seq",
@@ -233,7 +249,10 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
     The last chunk is padded to chunk_size (padding is never written to the cache and comes
     after every real query), so one compiled step serves every chunk and prompt length.
     None: ``default_chunk_size``; a prompt that fits in one such chunk runs in one call without
-    padding (compiled per prompt length). ``progress`` shows a tqdm bar over the chunks.
+    padding (compiled per prompt length); a longer one ends in a chunk of the tokens left,
+    padded only up to a power of two (``chunk_spans``): one more compiled step per such tail
+    size, against up to a whole chunk of padding (at 32768 tokens a chunk, a 33K prompt would
+    otherwise compute 64K). ``progress`` shows a tqdm bar over the chunks.
 
     ``kv_cache_dtype="float8_e4m3fn"`` stores the full-attention layers' K/V (the part of the
     cache that grows with the sequence) in FP8, half the bytes (accuracy: docs/notes_model.md);
@@ -273,8 +292,8 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
             return _prefill(*model_args(model), ids, max_len)
         size = length  # one chunk, through the chunked step
     size = -(-size // devices) * devices  # a chosen size, rounded up for the seq axis
-    chunks = -(-length // size)
-    padded = jnp.pad(ids, ((0, 0), (0, chunks * size - length)))  # pad id 0, never cached
+    spans = chunk_spans(length, size, short_tail=chunk_size is None, multiple=devices)
+    padded = jnp.pad(ids, ((0, 0), (0, sum(spans) - length)))  # pad id 0, never cached
     layout = ()
     if seq is not None:
         max_len, layout = chunked.capacity(max_len, devices, segments), (devices, segments)
@@ -294,14 +313,16 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
         step, state, cache = chunked.sharded_chunk_step(model, nnx.state(model), make_cache,
                                                         mesh, tp_axis=tp, seq_axis=seq,
                                                         segments=segments)
-    steps = range(chunks)
+    starts = [sum(spans[:c]) for c in range(len(spans))]
+    steps = zip(starts, spans)
     if progress:
         from tqdm.auto import tqdm
 
-        steps = tqdm(steps, unit="chunk", desc=f"prefill ({size} tokens/chunk)")
-    for c in steps:
-        valid = jnp.int32(min(size, length - c * size))
-        out, cache = step(state, cache, padded[:, c * size:(c + 1) * size], valid)
+        steps = tqdm(steps, total=len(spans), unit="chunk",
+                     desc=f"prefill ({size} tokens/chunk)")
+    for start, width in steps:
+        valid = jnp.int32(min(width, length - start))
+        out, cache = step(state, cache, padded[:, start:start + width], valid)
         if progress:  # otherwise the bar would count asynchronous dispatches, not finished chunks
             out.block_until_ready()
     # Each step returns the last real token's hidden state; its logits once, here. The mesh
