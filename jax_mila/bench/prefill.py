@@ -68,8 +68,8 @@ DEFAULT_SEQS = (4096, 8192, 16384, 32768, 65536)
 # A fixed default chunk: the one gemma4.prefill itself picks on an H200 when no memory budget
 # is given (default_chunk_size clamps the free memory's plan to MAX_CHUNK). Measured on the H200
 # (docs/performance.md), 12B at 32K / 64K: 4096 -> 16384 is +3.5% / +2.1% tokens/s (fewer
-# chunks: fewer launches and last waves, GEMMs at M = 16384), 16384 -> 32768 about +1% more, at
-# 10.84 / 11.36 GiB peak, inside the 12 GiB budget. default_chunk_size under that budget
+# chunks: fewer launches and last waves, GEMMs at M = 16384), 16384 -> 32768 +0.4-0.8% more, at
+# 11.01 / 11.53 GiB peak, inside the 12 GiB budget. default_chunk_size under that budget
 # (--chunk-size auto) plans smaller chunks (4096 at 64K): its per-token estimate keeps the
 # margin the 31B needs. Each worker prints what auto would pick.
 DEFAULT_CHUNK = 32768

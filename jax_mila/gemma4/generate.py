@@ -150,9 +150,9 @@ def forward(model: Gemma4ForCausalLM, input_ids) -> jax.Array:
 
 
 DEFAULT_CHUNK = 2048        # tokens per chunk when the device reports no memory figures
-# MAX_CHUNK: 12B on the H200 (docs/performance.md, twenty-second round), 16384 -> 32768 is about
-# +1% at 32K and 64K (half the chunk boundaries: launches, last waves, the sliding layers'
-# slabs), at 10.84 / 11.36 GiB peak against 9.50 / 10.03.
+# MAX_CHUNK: 12B on the H200 (docs/performance.md, twenty-second round), 16384 -> 32768 is
+# +0.4-0.8% at 32K and +0.6-0.7% at 64K (half the chunk boundaries: launches, last waves, the
+# sliding layers' slabs), at 11.01 / 11.53 GiB peak (in layer pieces) against 9.71 / 10.23.
 MIN_CHUNK, MAX_CHUNK = 256, 32768
 ACTIVATION_FRACTION = 0.5   # of the free device memory, for one chunk's activations
 # One chunk token's activations, in values of the model's widest layer activation (hidden, MLP
