@@ -10,6 +10,7 @@ across chunks. Fresh random prompts every run.
 
 from __future__ import annotations
 
+import importlib
 import os
 from unittest import mock
 
@@ -110,6 +111,30 @@ class PiecesTest(parameterized.TestCase):
         with mock.patch.object(pieces.ChunkPieces, "step", counting):
             gemma4.prefill(model, ids, chunk_size=4)
         self.assertEqual(calls, [3, 3, 3])  # 3 chunks (the last padded), 3 pieces each
+
+    def test_default_chunk_runs_a_short_prompt_in_pieces(self):
+        # chunk_size=None and a prompt within the plan's chunk: one unpadded chunk in pieces
+        # (what the benchmark measures with chunk = length), not the one-shot call; the same
+        # logits and cache as the one-shot prefill (with one step, it still takes that path).
+        with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+            model = tiny_model(seed=7, dtype=jnp.float64, **TWELVE_B_LIKE)
+            ids = prompt(5, 9)
+            widths, real = [], pieces.ChunkPieces.step
+
+            def recording(self_, state, cache, input_ids, valid):
+                widths.append(input_ids.shape[1])
+                return real(self_, state, cache, input_ids, valid)
+
+            gen = importlib.import_module("jax_mila.gemma4.generate")
+            with mock.patch.object(gen, "default_chunk_size", return_value=16), \
+                 mock.patch.object(pieces.ChunkPieces, "step", recording):
+                logits, cache = gemma4.prefill(model, ids)
+                with one_step(), mock.patch.object(gen, "_prefill", wraps=gen._prefill) as shot:
+                    ref, ref_cache = gemma4.prefill(model, ids)
+            self.assertEqual(widths, [9])
+            shot.assert_called_once()
+            assert_close_logits(logits, ref)
+            assert_same_cache(self, cache, ref_cache)
 
     def test_middle_pieces_write_the_hidden_state_in_place(self):
         # The hidden state a middle piece takes is donated (its buffer is gone after the call,

@@ -248,8 +248,9 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
     updates the (donated) cache, so activation memory is bounded by the chunk, not the prompt.
     The last chunk is padded to chunk_size (padding is never written to the cache and comes
     after every real query), so one compiled step serves every chunk and prompt length.
-    None: ``default_chunk_size``; a prompt that fits in one such chunk runs in one call without
-    padding (compiled per prompt length); a longer one ends in a chunk of the tokens left,
+    None: ``default_chunk_size``; a prompt that fits in one such chunk runs as one chunk without
+    padding (compiled per prompt length: in layer pieces where they apply, else in one call); a
+    longer one ends in a chunk of the tokens left,
     padded only up to a power of two (``chunk_spans``): one more compiled step per such tail
     size, against up to a whole chunk of padding (at 32768 tokens a chunk, a 33K prompt would
     otherwise compute 64K). ``progress`` shows a tqdm bar over the chunks.
@@ -287,8 +288,12 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
             raise ValueError(f"chunk_size={chunk_size}: context parallelism over {devices} "
                              f"devices ({seq_axis!r}) needs a multiple of {devices}")
     size = default_chunk_size(model, batch, max_len) if chunk_size is None else int(chunk_size)
+    in_pieces = mesh is None and pieces.applies(model)
     if chunk_size is None and length <= size:
-        if kv_cache_dtype is None and mesh is None:
+        # One unpadded chunk. Where the layer pieces apply it runs in them, as longer prompts
+        # do (the one-shot call would expose the whole model's flatten and dispatch, ~25 ms
+        # on the 12B, before the device starts; docs/notes_model.md).
+        if kv_cache_dtype is None and mesh is None and not in_pieces:
             return _prefill(*model_args(model), ids, max_len)
         size = length  # one chunk, through the chunked step
     size = -(-size // devices) * devices  # a chosen size, rounded up for the seq axis
@@ -299,7 +304,6 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
         max_len, layout = chunked.capacity(max_len, devices, segments), (devices, segments)
     make_cache = functools.partial(kv.empty, model.config, batch, max_len, model.dtype,
                                    full_dtype=kv_cache_dtype, seq_layout=layout)
-    in_pieces = mesh is None and pieces.applies(model)
     if in_pieces:
         # Layer pieces: the host takes apart and dispatches only the first piece before the
         # device starts (jax_mila.gemma4.pieces); the head's weights are taken after the chunks.
