@@ -293,6 +293,20 @@ class BenchTest(absltest.TestCase):
         self.assertRegex(text, r"\| 48 \| [\d,]+ \| [\d,]+ \| [\d.]+x \|")
         self.assertNotIn("op split", text)
 
+    def test_cpu_run_with_prefills_own_chunk(self):
+        # --chunk-size prefill: gemma4.prefill(chunk_size=None), its own plan per length (2048
+        # on a device without memory figures), so a 48-token prompt is one chunk of 48.
+        with tempfile.TemporaryDirectory() as out, mock.patch.dict(os.environ, {"OUT": out}):
+            text = io.StringIO()
+            with contextlib.redirect_stdout(text):
+                rows = bench.main(["--model", "embedded", "--seqs", "48", "--backends", "mila",
+                                   "--reps", "1", "--chunk-size", "prefill", "--no-profile"])
+        self.assertLen(rows, 1)
+        self.assertEqual(rows[0]["status"], "ok", msg=str(rows[0]))
+        self.assertTrue(rows[0]["finite"])
+        self.assertEqual(rows[0]["chunk"], 48)
+        self.assertIn("mila: chunk prefill (", text.getvalue())
+
     @absltest.skipUnless(HAVE_TORCH, "needs torch and transformers")
     def test_cpu_run_transformers(self):
         with contextlib.redirect_stdout(io.StringIO()):
@@ -331,7 +345,8 @@ class BenchTest(absltest.TestCase):
         self.assertIn("LOGITS NOT FINITE", bench._summary(dict(row, finite=False)))
 
     def test_bad_arguments_exit(self):
-        for argv in (["--backends", "mila,jax"], ["--seqs", "0"], ["--chunk-size", "x"]):
+        for argv in (["--backends", "mila,jax"], ["--seqs", "0"], ["--chunk-size", "x"],
+                     ["--chunk-size", "0"]):
             with self.assertRaises(SystemExit, msg=str(argv)), \
                     contextlib.redirect_stderr(io.StringIO()):
                 bench.main(argv)

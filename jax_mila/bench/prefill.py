@@ -1,7 +1,8 @@
 """End-to-end Gemma 4 prefill: tokens/s, peak device memory and where the time goes.
 
     python3 benchmarks/prefill.py [--model 12b] [--seqs 4096,8192,16384,32768,65536]
-        [--backends mila,reference,transformers] [--chunk-size 32768|auto] [--memory-budget-gib 12]
+        [--backends mila,reference,transformers] [--chunk-size 32768|auto|prefill]
+        [--memory-budget-gib 12]
         [--reps 3] [--embed-dtype bfloat16|float8_e4m3fn] [--no-profile] [--devices 1,2]
     (also: python -m jax_mila bench prefill [same options])
 
@@ -30,6 +31,9 @@ time to first token = that prefill time, the logits of the last position are its
 Every JAX call is dispatched separately (no batching of runs into one program).
 Chunked prefill with one chunk size for all lengths (``--chunk-size``, default 32768; "auto":
 ``default_chunk_size`` for the longest length under --memory-budget-gib), min(chunk, length).
+"prefill": what ``gemma4.prefill`` does by default (``chunk_size=None``: its own plan per length,
+without a budget; a prompt within it runs as one chunk, in layer pieces where they apply, or
+one-shot under JAX_MILA_PREFILL_ONE_STEP=1), the call a user makes without choosing a chunk.
 
 Memory: the allocator's ``peak_bytes_in_use`` (torch: max_memory_allocated), which JAX cannot
 reset; the lengths run in ascending order with the same chunk, so each step's peak is at
@@ -73,6 +77,7 @@ DEFAULT_SEQS = (4096, 8192, 16384, 32768, 65536)
 # (--chunk-size auto) plans smaller chunks (4096 at 64K): its per-token estimate keeps the
 # margin the 31B needs. Each worker prints what auto would pick.
 DEFAULT_CHUNK = 32768
+OWN_CHUNK = "prefill"  # --chunk-size prefill: gemma4.prefill's own choice (chunk_size=None)
 RESULT = "RESULT "  # worker -> parent: one JSON object per line after this prefix
 
 
@@ -145,20 +150,22 @@ def _jax_worker(spec: dict) -> None:
           f"weights {_gib(weights)}", flush=True)
     seqs = sorted(spec["seqs"])
     auto = generate.default_chunk_size(model, 1, seqs[-1], memory_limit=int(spec["memory_budget_gib"] * GiB))
-    chunk = spec["chunk_size"] or auto
-    print(f"{spec['backend']}: chunk {chunk} (default_chunk_size under {spec['memory_budget_gib']} "
-          f"GiB for {seqs[-1]} tokens: {auto})", flush=True)
+    own = spec["chunk_size"] == OWN_CHUNK
+    chunk = None if own else spec["chunk_size"] or auto
+    print(f"{spec['backend']}: chunk {OWN_CHUNK if own else chunk} (default_chunk_size under "
+          f"{spec['memory_budget_gib']} GiB for {seqs[-1]} tokens: {auto})", flush=True)
     rng = np.random.default_rng(spec["seed"])
     previous_peak = init_peak
     for length in seqs:
-        row_chunk = -(-min(chunk, length) // n_dev) * n_dev  # the seq axis splits each chunk
+        planned = generate.default_chunk_size(model, 1, length) if own else chunk
+        row_chunk = -(-min(planned, length) // n_dev) * n_dev  # the seq axis splits each chunk
         row = dict(backend=spec["backend"], seq=length, chunk=row_chunk, weights_bytes=weights,
                    init_peak_bytes=init_peak, device=str(dev), devices=n_dev)
         ids = jnp.asarray(rng.integers(3, model.config.vocab_size, (1, length), dtype=np.int32))
         mesh_kw = {} if mesh is None else dict(mesh=mesh, seq_segments=spec.get("seq_segments"))
 
         def run():
-            out = generate.prefill(model, ids, chunk_size=row["chunk"],
+            out = generate.prefill(model, ids, chunk_size=None if own else row["chunk"],
                                    kv_cache_dtype=spec.get("kv_cache_dtype"), **mesh_kw)
             jax.block_until_ready(out)
             return out
@@ -563,8 +570,9 @@ def _parse(argv):
     p.add_argument("--seqs", default=",".join(map(str, DEFAULT_SEQS)), help="prompt lengths, comma-separated")
     p.add_argument("--backends", default=",".join(BACKENDS), help=f"subset of {','.join(BACKENDS)}")
     p.add_argument("--chunk-size", default=str(DEFAULT_CHUNK),
-                   help=f"tokens per prefill chunk, or auto (default_chunk_size under "
-                        f"--memory-budget-gib; default {DEFAULT_CHUNK})")
+                   help=f"tokens per prefill chunk, auto (default_chunk_size under "
+                        f"--memory-budget-gib) or {OWN_CHUNK} (gemma4.prefill's own choice, "
+                        f"chunk_size=None); default {DEFAULT_CHUNK}")
     p.add_argument("--memory-budget-gib", type=float, default=12.0,
                    help="device memory --chunk-size auto plans for (default 12)")
     p.add_argument("--reps", type=int, default=3, help="timed runs per point (default 3)")
@@ -590,7 +598,10 @@ def _parse(argv):
     args = p.parse_args(argv)
     try:
         args.seqs = sorted({int(s) for s in args.seqs.split(",") if s.strip()})
-        args.chunk_size = None if args.chunk_size == "auto" else int(args.chunk_size)
+        if args.chunk_size == "auto":
+            args.chunk_size = None
+        elif args.chunk_size != OWN_CHUNK:
+            args.chunk_size = int(args.chunk_size)
         args.devices = sorted({int(s) for s in args.devices.split(",") if s.strip()})
     except ValueError as e:
         p.error(f"--seqs / --chunk-size / --devices: {e}")
@@ -600,8 +611,8 @@ def _parse(argv):
         p.error(f"--seq-segments must be an even number >= 2, got {args.seq_segments}")
     if not args.seqs or min(args.seqs) < 1:
         p.error(f"--seqs must be positive lengths, got {args.seqs}")
-    if args.chunk_size is not None and args.chunk_size < 1:
-        p.error(f"--chunk-size must be >= 1 or auto, got {args.chunk_size}")
+    if isinstance(args.chunk_size, int) and args.chunk_size < 1:
+        p.error(f"--chunk-size must be >= 1, auto or {OWN_CHUNK}, got {args.chunk_size}")
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = [b for b in args.backends if b not in BACKENDS]
     if bad or not args.backends:
