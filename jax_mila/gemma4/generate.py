@@ -14,6 +14,7 @@ Taking the model apart is host time the device waits for at every call, so it is
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -250,10 +251,10 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
     after every real query), so one compiled step serves every chunk and prompt length.
     None: ``default_chunk_size``; a prompt that fits in one such chunk runs as one chunk without
     padding (compiled per prompt length: in layer pieces where they apply, else in one call); a
-    longer one ends in a chunk of the tokens left,
-    padded only up to a power of two (``chunk_spans``): one more compiled step per such tail
-    size, against up to a whole chunk of padding (at 32768 tokens a chunk, a 33K prompt would
-    otherwise compute 64K). ``progress`` shows a tqdm bar over the chunks.
+    longer one ends in a chunk of the tokens left, padded only up to a power of two
+    (``chunk_spans``): one more compiled step per such tail size, against up to a whole chunk
+    of padding (at 32768 tokens a chunk, a 33K prompt would otherwise compute 64K).
+    ``progress`` shows a tqdm bar over the chunks.
 
     ``kv_cache_dtype="float8_e4m3fn"`` stores the full-attention layers' K/V (the part of the
     cache that grows with the sequence) in FP8, half the bytes (accuracy: docs/notes_model.md);
@@ -317,8 +318,7 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
         step, state, cache = chunked.sharded_chunk_step(model, nnx.state(model), make_cache,
                                                         mesh, tp_axis=tp, seq_axis=seq,
                                                         segments=segments)
-    starts = [sum(spans[:c]) for c in range(len(spans))]
-    steps = zip(starts, spans)
+    steps = zip(itertools.accumulate(spans[:-1], initial=0), spans)  # (start, width)
     if progress:
         from tqdm.auto import tqdm
 

@@ -21,6 +21,7 @@ JAX_MILA_PREFILL_ONE_STEP=1 (read per prefill call) keeps it too, for A/B timing
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 
 import jax
@@ -101,8 +102,10 @@ def _jitted(kernels: bool, donate_hidden: bool):
     nor the last, which returns one row), so XLA writes the new hidden state over the old:
     otherwise both are live across the piece (12B, chunk 32768: 0.23 GiB each). The kernel
     backend compiles as generate's chunk steps do, without XLA's autotuner."""
+    # The module (gemma4.generate is also the function), imported here: it imports this one.
+    generate = importlib.import_module("jax_mila.gemma4.generate")
     donate = ("x", "entries") if donate_hidden else ("entries",)
-    options = {"xla_gpu_autotune_level": 0} if kernels else None
+    options = generate._NO_AUTOTUNE if kernels else None
     return jax.jit(_piece, static_argnames=_STATIC, donate_argnames=donate,
                    compiler_options=options)
 
