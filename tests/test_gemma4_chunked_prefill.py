@@ -580,6 +580,24 @@ class RingUpdateTest(absltest.TestCase):
                         np.asarray(got), want,
                         err_msg=f"ring {size}, chunk {t}, pos {pos}, valid {valid}, seed={seed}")
 
+    def test_first_chunk_is_its_own_view(self):
+        # first=True (pos 0 promised): the ring the slab path writes, and the chunk itself as
+        # the view at kv_offset 0 (the slab path's view is the chunk and R zeros).
+        seed = int(np.random.SeedSequence().entropy % (2**31))
+        rng = np.random.default_rng(seed)
+        update = jax.jit(lambda buf, k, valid, first: kv.chunk_update(
+            buf, buf, k, k, jnp.int32(0), valid, ring=True, first=first), static_argnums=3)
+        for size, t in ((1, 1), (3, 5), (4, 4), (8, 3)):
+            for valid in sorted({1, (t + 1) // 2, t}):
+                buf = rng.standard_normal((1, size, 2, 3)).astype(np.float32)
+                k = rng.standard_normal((1, t, 2, 3)).astype(np.float32)
+                msg = f"ring {size}, chunk {t}, valid {valid}, seed={seed}"
+                ring, _, view, _, offset = update(buf, k, jnp.int32(valid), True)
+                slab_ring, _, slab, _, slab_offset = update(buf, k, jnp.int32(valid), False)
+                np.testing.assert_array_equal(np.asarray(ring), np.asarray(slab_ring), err_msg=msg)
+                np.testing.assert_array_equal(np.asarray(view), k, err_msg=msg)
+                np.testing.assert_array_equal(np.asarray(slab)[:, :t], k, err_msg=msg)
+                self.assertEqual((int(offset), int(slab_offset)), (0, 0), msg)
 
     def test_full_buffer_takes_the_real_tokens_only(self):
         # The writes go through cache.set_rows, which promises XLA distinct slots (the dropped

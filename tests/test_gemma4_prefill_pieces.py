@@ -10,6 +10,8 @@ across chunks. Fresh random prompts every run.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import os
 from unittest import mock
@@ -104,9 +106,9 @@ class PiecesTest(parameterized.TestCase):
         calls = []
         real = pieces.ChunkPieces.step
 
-        def counting(self_, *args):
+        def counting(self_, *args, **kwargs):
             calls.append(len(self_._bounds))
-            return real(self_, *args)
+            return real(self_, *args, **kwargs)
 
         with mock.patch.object(pieces.ChunkPieces, "step", counting):
             gemma4.prefill(model, ids, chunk_size=4)
@@ -121,9 +123,9 @@ class PiecesTest(parameterized.TestCase):
             ids = prompt(5, 9)
             widths, real = [], pieces.ChunkPieces.step
 
-            def recording(self_, state, cache, input_ids, valid):
+            def recording(self_, state, cache, input_ids, valid, **kwargs):
                 widths.append(input_ids.shape[1])
-                return real(self_, state, cache, input_ids, valid)
+                return real(self_, state, cache, input_ids, valid, **kwargs)
 
             gen = importlib.import_module("jax_mila.gemma4.generate")
             with mock.patch.object(gen, "default_chunk_size", return_value=16), \
@@ -135,6 +137,50 @@ class PiecesTest(parameterized.TestCase):
             shot.assert_called_once()
             assert_close_logits(logits, ref)
             assert_same_cache(self, cache, ref_cache)
+
+    @parameterized.named_parameters(("pieces", False), ("one_step", True))
+    def test_first_chunk_attends_over_its_own_keys(self, with_one_step):
+        # chunk_size=None, a plan of 8 tokens and tails of at least 2 (MIN_CHUNK patched down
+        # from 256): 11 tokens run as chunks of 8 and 4. The first one's width is its own, so
+        # it runs as a first chunk (its sliding layers attend over the chunk itself, no slab;
+        # the window of 4 wraps the ring inside it) and the tail as a later chunk; with
+        # explicit chunks of 4 (three of one width) no chunk does. Logits and cache: those of
+        # the one-shot prefill and of the explicit chunks.
+        with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+            model = tiny_model(seed=11, dtype=jnp.float64, **TWELVE_B_LIKE)
+            ids = prompt(6, 11)
+            gen = importlib.import_module("jax_mila.gemma4.generate")
+            seen = []
+
+            def recording(run):
+                def call(*args, **kwargs):  # (..., input_ids, valid)
+                    seen.append((args[-2].shape[1], kwargs.get("first", False)))
+                    return run(*args, **kwargs)
+                return call
+
+            real_pieces, real_step_fn = pieces.ChunkPieces.step, gen.chunk_step_fn
+            patches = (
+                mock.patch.object(gen, "default_chunk_size", return_value=8),
+                mock.patch.object(gen, "MIN_CHUNK", 2),
+                mock.patch.object(pieces.ChunkPieces, "step",
+                                  lambda self_, *a, **k: recording(
+                                      functools.partial(real_pieces, self_))(*a, **k)),
+                mock.patch.object(gen, "chunk_step_fn",
+                                  lambda m: recording(real_step_fn(m))))
+            with contextlib.ExitStack() as stack:
+                for patch in patches:
+                    stack.enter_context(patch)
+                if with_one_step:
+                    stack.enter_context(one_step())
+                logits, cache = gemma4.prefill(model, ids)
+                self.assertEqual(seen, [(8, True), (4, False)])
+                seen.clear()
+                chunked, chunked_cache = gemma4.prefill(model, ids, chunk_size=4)
+                self.assertEqual(seen, [(4, False)] * 3)
+            full, full_cache = gen._prefill(*gen.model_args(model), ids, 11)  # one shot
+            for ref, ref_cache in ((full, full_cache), (chunked, chunked_cache)):
+                assert_close_logits(logits, ref)
+                assert_same_cache(self, cache, ref_cache)
 
     def test_middle_pieces_write_the_hidden_state_in_place(self):
         # The hidden state a middle piece takes is donated (its buffer is gone after the call,

@@ -18,6 +18,8 @@ that KV-shared layers read stay the plain K and V (those layers attend without t
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,13 +99,14 @@ class Gemma4Attention(nnx.Module):
         return nn.shares_quantized_input(*self.input_projections())
 
     def __call__(self, x, cos, sin, *, offset, mode: str, entry=None, shared: KVView | None = None,
-                 max_len: int = 0, valid=None):
+                 max_len: int = 0, valid=None, first_chunk: bool = False):
         """x [B, T, H] at positions offset + arange(T), or its W4A8 quantization
         (nn.QuantizedRows, where takes_quantized_input()).
 
         mode "full" (no cache), "prefill" (offset 0; builds this layer's cache entry),
         "decode" (T == 1; appends to ``entry``) or "chunk" (a prefill chunk whose first ``valid``
-        tokens are real; appends them to ``entry``). Returns (out, kv_view, new_entry)."""
+        tokens are real; appends them to ``entry``; ``first_chunk``: at offset 0, see
+        cache.chunk_update's ``first``). Returns (out, kv_view, new_entry)."""
         b, t, _ = x.shape
         # Head counts from the arrays: under tensor parallelism this device holds a slice of the
         # heads (jax_mila/parallel/tensor.py).
@@ -126,7 +129,10 @@ class Gemma4Attention(nnx.Module):
                 new_entry = (k_buf, v_buf)
             elif mode == "chunk":
                 # Under chunked context parallelism k, v are this device's slice of the chunk.
-                update = kv.chunk_update if cpc.active_axis() is None else cpc.chunk_update
+                if cpc.active_axis() is None:
+                    update = functools.partial(kv.chunk_update, first=first_chunk)
+                else:
+                    update = cpc.chunk_update
                 k_buf, v_buf, k, v, kv_offset = update(*entry, k, v, offset, valid,
                                                        ring=ring is not None)
                 new_entry = (k_buf, v_buf)

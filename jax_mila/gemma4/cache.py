@@ -136,10 +136,15 @@ def decode_update(k_buf, v_buf, k, v, pos, *, ring: bool):
             kv_offset)
 
 
-def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool):
+def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool, first: bool = False):
     """One prefill chunk: k, v [B, T, H, D] at positions pos .. pos+T-1 (pos traced), of which
     the first ``valid`` (traced) are real tokens and the rest padding of the last chunk.
     Returns (k_buf, v_buf, k_view, v_view, kv_offset) like ``decode_update``.
+
+    ``first`` (static): the caller promises pos == 0, the prompt's first chunk on an empty
+    cache. A ring layer then attends over the chunk's own keys, as a one-shot prefill does: the
+    slab below would only append R zeros (12B, chunk 32768: ~6 ms of a 32K prefill to build,
+    docs/performance.md).
 
     Padding is never written (its scatter indices are out of range, mode="drop"), so the cache
     after the chunk holds exactly what a one-shot prefill of the real tokens would.
@@ -170,6 +175,8 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool):
         slots = jnp.where(i < valid, pos + i, size + i)  # >= size: dropped (all distinct)
         k_buf, v_buf = set_rows(k_buf, slots, k), set_rows(v_buf, slots, v)
         return k_buf, v_buf, k_buf, v_buf, jnp.int32(0)
+    if first:
+        return _first_chunk_ring(k_buf, v_buf, k, v, valid)
     n = jnp.minimum(pos, size)
     row = jnp.arange(size + t, dtype=jnp.int32)  # view row j holds position pos - n + j
 
@@ -207,3 +214,19 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool):
     # the written buffer.
     k_buf, v_buf, k_view, v_view = jax.lax.optimization_barrier((k_buf, v_buf, k_view, v_view))
     return k_buf, v_buf, k_view, v_view, (pos - n).astype(jnp.int32)
+
+
+def _first_chunk_ring(k_buf, v_buf, k, v, valid):
+    """``chunk_update`` of a ring at pos 0: the chunk is its own view (kv_offset 0; its padding
+    lies after every real query), and its last min(valid, R) real keys fill the ring."""
+    t, size = k.shape[1], k_buf.shape[1]
+    m = min(t, size)
+    j = jnp.arange(m, dtype=jnp.int32)
+    src = valid - m + j  # chunk token (= position) of update row j; < 0: before the prompt
+    slots = jnp.where(src >= 0, src % size, size + j)
+    rows = jnp.maximum(src, 0)
+    k_buf = set_rows(k_buf, slots, jnp.take(k, rows, axis=1))
+    v_buf = set_rows(v_buf, slots, jnp.take(v, rows, axis=1))
+    # As in chunk_update: attention reads the chunk's keys only after the ring is written, so
+    # no layer holds them until the end of the step.
+    return (*jax.lax.optimization_barrier((k_buf, v_buf, k, v)), jnp.int32(0))

@@ -73,22 +73,25 @@ def _prefill(structure, weights, input_ids, max_len):
     return model.logits(h[:, -1]), cache
 
 
-def chunk_hidden(model, cache, input_ids, valid):
+def chunk_hidden(model, cache, input_ids, valid, first=False):
     """One chunk [B, T] at positions cache.length + arange(T); its first ``valid`` tokens are
-    real. Returns (the last real token's hidden state [B, H], before the final norm; cache)."""
-    h, cache = model.hidden_states(input_ids, mode="chunk", cache=cache, valid=valid)
+    real; ``first``: the caller promises cache.length == 0 (hidden_states' ``first_chunk``).
+    Returns (the last real token's hidden state [B, H], before the final norm; cache)."""
+    h, cache = model.hidden_states(input_ids, mode="chunk", cache=cache, valid=valid,
+                                   first_chunk=first)
     if chunked.active_axis() is not None:  # h is this device's slice of the chunk
         return chunked.last_real_token(h, valid), cache
     return jax.lax.dynamic_index_in_dim(h, valid - 1, axis=1, keepdims=False), cache
 
 
-def _chunk_step(structure, weights, cache, input_ids, valid):
+def _chunk_step(structure, weights, cache, input_ids, valid, first=False):
     """``chunk_hidden`` as one jitted step, on the model rebuilt from ``model_args``.
     Position and valid length are traced, so every chunk of a prompt (the padded last one
-    included) runs the same compiled step. The logits are left to ``_last_logits``, once per
+    included) runs the same compiled step, except a ``first`` one (static; ``prefill`` says
+    when). The logits are left to ``_last_logits``, once per
     prompt: the output head reads the whole vocabulary's weights (12B: 262144 x 3840, 1.25 ms
     a chunk on the H200 when every chunk computed them)."""
-    return chunk_hidden(_model(structure, weights), cache, input_ids, valid)
+    return chunk_hidden(_model(structure, weights), cache, input_ids, valid, first)
 
 
 def _last_logits(structure, weights, last):
@@ -103,8 +106,9 @@ def _last_logits(structure, weights, last):
 # time), so its steps compile without autotuning; the reference backend keeps it, since its
 # dots are the work.
 _NO_AUTOTUNE = {"xla_gpu_autotune_level": 0}
-_prefill_chunk = jax.jit(_chunk_step, static_argnames=("structure",), donate_argnames=("cache",))
-_prefill_chunk_kernels = jax.jit(_chunk_step, static_argnames=("structure",),
+_prefill_chunk = jax.jit(_chunk_step, static_argnames=("structure", "first"),
+                         donate_argnames=("cache",))
+_prefill_chunk_kernels = jax.jit(_chunk_step, static_argnames=("structure", "first"),
                                  donate_argnames=("cache",), compiler_options=_NO_AUTOTUNE)
 # The head's product is exactly the dot whose autotuning scratch set that peak.
 _head = jax.jit(_last_logits, static_argnames=("structure",))
@@ -115,7 +119,8 @@ _head_kernels = jax.jit(_last_logits, static_argnames=("structure",),
 def chunk_step_fn(model: Gemma4ForCausalLM):
     """The jitted chunk step ``prefill`` runs for ``model`` (its backend picks the compile
     options above), called as step(*model_args(model), cache, ids, valid) -> (the last real
-    token's hidden state, cache); the benchmark's memory plan compiles the same one."""
+    token's hidden state, cache), and with first=True for a first chunk; the benchmark's
+    memory plan compiles the same one."""
     return _prefill_chunk if model.backend == "reference" else _prefill_chunk_kernels
 
 
@@ -318,6 +323,11 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
         step, state, cache = chunked.sharded_chunk_step(model, nnx.state(model), make_cache,
                                                         mesh, tp_axis=tp, seq_axis=seq,
                                                         segments=segments)
+    # The first chunk starts on an empty cache: its sliding layers can attend over the chunk's
+    # own keys rather than a slab of ring and chunk (cache.chunk_update's `first`). That step
+    # compiles on its own, so it runs only where no later chunk has the first one's width
+    # (one chunk, or whole chunks and a shorter tail) and would have shared its compile.
+    first_own = mesh is None and spans[0] not in spans[1:]
     steps = zip(itertools.accumulate(spans[:-1], initial=0), spans)  # (start, width)
     if progress:
         from tqdm.auto import tqdm
@@ -326,7 +336,8 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
                      desc=f"prefill ({size} tokens/chunk)")
     for start, width in steps:
         valid = jnp.int32(min(width, length - start))
-        out, cache = step(state, cache, padded[:, start:start + width], valid)
+        first = {"first": True} if first_own and start == 0 else {}
+        out, cache = step(state, cache, padded[:, start:start + width], valid, **first)
         if progress:  # otherwise the bar would count asynchronous dispatches, not finished chunks
             out.block_until_ready()
     # Each step returns the last real token's hidden state; its logits once, here. The mesh

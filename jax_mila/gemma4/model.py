@@ -187,13 +187,16 @@ class Gemma4ForCausalLM(nnx.Module):
         return logits
 
     def hidden_states(self, input_ids, *, mode: str = "full", cache: KVCache | None = None,
-                      max_len: int = 0, valid=None, return_layers: bool = False):
+                      max_len: int = 0, valid=None, first_chunk: bool = False,
+                      return_layers: bool = False):
         """Runs the decoder stack. Returns (hidden [B, T, H] before the final norm, new cache).
 
         mode "full": no cache. "prefill": positions from 0, returns a new KVCache with capacity
         ``max_len``. "decode": one token per sequence at position ``cache.length``. "chunk": a
         prefill chunk at positions cache.length + arange(T) whose first ``valid`` (traced)
-        tokens are real; the returned cache's length grows by ``valid``.
+        tokens are real; the returned cache's length grows by ``valid``. ``first_chunk``
+        (static, mode "chunk"): the caller promises cache.length == 0, so the sliding layers
+        attend over the chunk's own keys (cache.chunk_update's ``first``).
 
         ``return_layers=True`` appends a third result: every decoder layer's output [B, T, H]
         stacked to [L, B, T, H] (HF's output_hidden_states without the embedding), so the
@@ -228,6 +231,7 @@ class Gemma4ForCausalLM(nnx.Module):
             h, kv_view, new_entry = layer(
                 h, ple[:, :, i] if ple is not None else None, *tables[spec.layer_type],
                 offset=offset, mode=mode, entry=entry, max_len=max_len, valid=valid,
+                first_chunk=first_chunk,
                 shared=shared.get(spec.layer_type) if spec.is_kv_shared else None)
             if i in sources:
                 shared[spec.layer_type] = kv_view

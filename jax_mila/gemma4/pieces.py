@@ -75,7 +75,7 @@ def bounds(num_layers: int, piece_layers: int | None = None) -> list[tuple[int, 
     return out
 
 
-def _piece(structure, weights, x, entries, offset, valid, rope, dtype, max_len, last):
+def _piece(structure, weights, x, entries, offset, valid, rope, dtype, max_len, last, first):
     """Layers of one piece on x (token ids for the first piece, else the hidden state)."""
     embed, layers = jax.tree.unflatten(structure, weights)
     h = embed(x) if embed is not None else x
@@ -85,14 +85,14 @@ def _piece(structure, weights, x, entries, offset, valid, rope, dtype, max_len, 
     for layer, entry in zip(layers, entries):
         h, _, new_entry = layer(h, None, *tables[layer.spec.layer_type], offset=offset,
                                 mode="chunk", entry=entry, max_len=max_len, valid=valid,
-                                shared=None)
+                                first_chunk=first, shared=None)
         new_entries.append(new_entry)
     if last:
         h = jax.lax.dynamic_index_in_dim(h, valid - 1, axis=1, keepdims=False)
     return h, tuple(new_entries)
 
 
-_STATIC = ("structure", "rope", "dtype", "max_len", "last")
+_STATIC = ("structure", "rope", "dtype", "max_len", "last", "first")
 
 
 @functools.cache
@@ -131,10 +131,10 @@ class ChunkPieces:
             self._args[i] = (structure, leaves)
         return self._args[i]
 
-    def step(self, _state, cache: KVCache, input_ids, valid):
+    def step(self, _state, cache: KVCache, input_ids, valid, *, first: bool = False):
         """One chunk, as generate's chunk step (whose first argument, the model's arrays, it
         does not take): (the last real token's hidden state [B, H], the cache with the chunk's
-        keys and values, length + valid)."""
+        keys and values, length + valid). ``first``: as generate's step."""
         keys, values = list(cache.keys), list(cache.values)
         x = input_ids
         for i, (start, stop) in enumerate(self._bounds):
@@ -143,7 +143,7 @@ class ChunkPieces:
             last = stop == len(keys)
             run = _jitted(self._kernels, donate_hidden=0 < start and not last)
             x, new = run(structure, weights, x, entries, cache.length, valid, rope=self._rope,
-                         dtype=self._model.dtype, max_len=cache.max_len, last=last)
+                         dtype=self._model.dtype, max_len=cache.max_len, last=last, first=first)
             for j, (k, v) in zip(range(start, stop), new):
                 keys[j], values[j] = k, v
         return x, KVCache(keys=tuple(keys), values=tuple(values), length=cache.length + valid,
