@@ -34,7 +34,11 @@ MOE = dict(sliding_window=5, num_hidden_layers=4, layer_types=[S, S, F, F],
 
 
 def one_step():
-    return mock.patch.dict(os.environ, {pieces.ONE_STEP_ENV: "1"})
+    # What JAX_MILA_PREFILL_ONE_STEP=1 does (test_applies_only_without_ple_or_kv_sharing checks
+    # the variable itself). Not through os.environ: mock.patch.dict clears and refills the
+    # environment on exit, and on a GPU a runtime thread reading it meanwhile crashed the
+    # process once (a segfault in the refill, H200).
+    return mock.patch.object(pieces, "applies", return_value=False)
 
 
 class PiecesTest(parameterized.TestCase):
@@ -57,7 +61,7 @@ class PiecesTest(parameterized.TestCase):
         self.assertFalse(pieces.applies(tiny_model()))  # PLE and KV-shared layers
         self.assertFalse(pieces.applies(tiny_model(num_kv_shared_layers=0)))  # PLE
         self.assertFalse(pieces.applies(tiny_model(hidden_size_per_layer_input=0)))  # sharing
-        with one_step():
+        with mock.patch.dict(os.environ, {pieces.ONE_STEP_ENV: "1"}):
             self.assertFalse(pieces.applies(tiny_model(**TWELVE_B_LIKE)))
 
     @parameterized.named_parameters(
@@ -201,7 +205,7 @@ class PiecesTest(parameterized.TestCase):
             return call
 
         with mock.patch.object(pieces, "_jitted", recording), \
-             mock.patch.dict(os.environ, {pieces.PIECE_LAYERS_ENV: "1"}):
+             mock.patch.object(pieces, "PIECE_LAYERS", 1):
             gemma4.prefill(model, prompt(4, 6), chunk_size=4)
         first, last = (False, True, False), (False, False, False)
         middle = [(True, False, True)] * 6
