@@ -230,6 +230,20 @@ class ChunkedPrefillTest(parameterized.TestCase):
         self.assertEqual(gen.chunk_step_fn(model)._cache_size() - before, 1)
         assert_close_logits(logits, ref)
 
+    def test_default_chunk_size_keeps_the_wide_margin_where_unmeasured(self):
+        # On the kernels a dense model plans 2 values of its widest activation a token; one with
+        # per-layer embeddings (or routed experts) keeps 4, never having been measured there.
+        # The same widths and cache here, so the dense plan is twice as long.
+        ple = tiny_model(num_kv_shared_layers=0)
+        dense = tiny_model(num_kv_shared_layers=0, hidden_size_per_layer_input=0)
+        gpu = mock.Mock(memory_stats=mock.Mock(return_value=dict(bytes_limit=2**23, bytes_in_use=0)))
+        with mock.patch.object(jax, "devices", return_value=[gpu]), \
+             mock.patch.object(gen, "_attention_on_kernels", return_value=True):
+            plans = [gen.default_chunk_size(m, 1, 64) for m in (ple, dense)]
+        self.assertEqual(plans[1], 2 * plans[0])
+        self.assertGreater(plans[0], gen.MIN_CHUNK)
+        self.assertLess(plans[1], gen.MAX_CHUNK)
+
     def test_chunk_spans(self):
         self.assertEqual(gen.chunk_spans(64, 32), [32, 32])
         self.assertEqual(gen.chunk_spans(65, 32), [32, 32, 32])  # padded to the chunk
@@ -268,29 +282,43 @@ class ChunkedPrefillTest(parameterized.TestCase):
         assert_close_logits(logits, padded_logits)
         assert_same_cache(self, cache, padded_cache)
 
-    def test_default_chunk_size_for_the_12b_at_64k(self):
-        # The H200 measurements the plan comes from (docs/performance.md): 12B, bf16 MXFP4
-        # weights (7.27 GiB in use), 64K tokens, 12 GiB budget. On the kernels, chunk 4096 ran
-        # at 9.28 GiB peak: the plan must reach it. Through XLA the float32 scores cost 12.3 MiB
-        # per chunk token at 64K: the plan must fall to the smallest chunk.
+    @staticmethod
+    def card_model(name):
         from flax import nnx  # noqa: PLC0415
 
         from jax_mila.gemma4 import paths  # noqa: PLC0415
         from jax_mila.gemma4.config import Gemma4Config  # noqa: PLC0415
 
-        with open(paths.model_card("12b")) as f:
+        with open(paths.model_card(name)) as f:
             cfg = Gemma4Config.from_dict(json.load(f))
-        model = nnx.eval_shape(lambda: gemma4.Gemma4ForCausalLM(
+        return nnx.eval_shape(lambda: gemma4.Gemma4ForCausalLM(
             cfg, dtype=jnp.bfloat16, quantize="w4a8", rngs=nnx.Rngs(0)))
-        stats = dict(bytes_limit=141 * 2**30, bytes_in_use=int(7.27 * 2**30))
+
+    def plans(self, name, weights_gib, budget_gib, lengths, *, kernels=True):
+        stats = dict(bytes_limit=141 * 2**30, bytes_in_use=int(weights_gib * 2**30))
         gpu = mock.Mock(memory_stats=mock.Mock(return_value=stats))
-        plan = lambda n: gen.default_chunk_size(model, 1, n, memory_limit=12 * 2**30)  # noqa: E731
-        with mock.patch.object(jax, "devices", return_value=[gpu]):
-            with mock.patch.object(gen, "_attention_on_kernels", return_value=True):
-                self.assertEqual(plan(65536), 4096)
-                self.assertEqual(plan(131072), 4096)  # measured there: 10.36 GiB peak
-            with mock.patch.object(gen, "_attention_on_kernels", return_value=False):
-                self.assertEqual(plan(65536), gen.MIN_CHUNK)
+        model = self.card_model(name)
+        with mock.patch.object(jax, "devices", return_value=[gpu]), \
+             mock.patch.object(gen, "_attention_on_kernels", return_value=kernels):
+            return [gen.default_chunk_size(model, 1, n, memory_limit=int(budget_gib * 2**30))
+                    for n in lengths]
+
+    def test_default_chunk_size_for_the_12b_at_64k(self):
+        # The H200 measurements the plan comes from (docs/performance.md): 12B, bf16 MXFP4
+        # weights (7.27 GiB in use), 12 GiB budget. On the kernels: chunk 16384 ran 32K at
+        # 9.50-9.71 GiB peak, 8192 ran 64K at 9.36, and chunk 32768 (11.01 / 11.53 GiB) is
+        # more than half the free memory: the plan must pick the first two. Through XLA the
+        # float32 scores cost 12.3 MiB per chunk token at 64K: the smallest chunk.
+        self.assertEqual(self.plans("12b", 7.27, 12, (32768, 65536, 131072)), [16384, 8192, 8192])
+        self.assertEqual(self.plans("12b", 7.27, 12, (65536,), kernels=False), [gen.MIN_CHUNK])
+
+    def test_default_chunk_size_reserves_a_layer_of_the_cache(self):
+        # 31B at 128K on one H200 (17.12 GiB of weights, a 10.78 GiB cache) held 0.8 GiB more
+        # than its chunk's share at chunk 4096 (29.23 GiB peak). Under a 30 GiB budget the plan
+        # without the reserve would be 4096, at 0.77 GiB of margin; with it, 2048.
+        self.assertEqual(self.plans("31b", 17.12, 30, (131072,)), [2048])
+        with mock.patch.object(gen, "KV_RESERVE_LAYERS", 0):
+            self.assertEqual(self.plans("31b", 17.12, 30, (131072,)), [4096])
 
     def test_bf16_kernel_head_dims_through_ffi(self):
         """Head dims 256/512 in bf16 take jax_mila.ffi.flash_attention (its reference on CPU;

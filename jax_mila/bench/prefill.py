@@ -74,8 +74,8 @@ DEFAULT_SEQS = (4096, 8192, 16384, 32768, 65536)
 # (docs/performance.md), 12B at 32K / 64K: 4096 -> 16384 is +3.5% / +2.1% tokens/s (fewer
 # chunks: fewer launches and last waves, GEMMs at M = 16384), 16384 -> 32768 +0.4-0.8% more, at
 # 11.01 / 11.53 GiB peak, inside the 12 GiB budget. default_chunk_size under that budget
-# (--chunk-size auto) plans smaller chunks (4096 at 64K): its per-token estimate keeps the
-# margin the 31B needs. Each worker prints what auto would pick.
+# (--chunk-size auto) plans smaller chunks (16384 at 32K, 8192 at 64K): it keeps half the free
+# memory as a margin. Each worker prints what auto would pick.
 DEFAULT_CHUNK = 32768
 OWN_CHUNK = "prefill"  # --chunk-size prefill: gemma4.prefill's own choice (chunk_size=None)
 RESULT = "RESULT "  # worker -> parent: one JSON object per line after this prefix

@@ -162,12 +162,20 @@ DEFAULT_CHUNK = 2048        # tokens per chunk when the device reports no memory
 MIN_CHUNK, MAX_CHUNK = 256, 32768
 ACTIVATION_FRACTION = 0.5   # of the free device memory, for one chunk's activations
 # One chunk token's activations, in values of the model's widest layer activation (hidden, MLP
-# gate+up, all query heads, routed experts' gate+up) in its dtype. Measured on the H200 (12B,
-# bf16, chunk 4096, docs/performance.md): the kernel path holds ~180 KiB per token, 3 values
-# of its widest activation (gate+up, 30720 wide); 4 leaves a margin. The reference path also
-# holds float32 attention scores: ~12 bytes per query head and cache position (12.3 MiB per
-# token at 64K, against 1.5 MiB at 4K).
-KERNEL_VALUES_PER_TOKEN = 4
+# gate+up, all query heads, routed experts' gate+up) in its dtype. Measured on the H200
+# (docs/performance.md, twenty-third round), the kernel path of dense models holds 1.4-1.6 of
+# them per chunk token (the peak's growth with the chunk; 12B: 83 KiB a token between chunks
+# 16384 and 32768, gate+up 30720 wide; 31B: 127 KiB between 4096 and 16384, 43008 wide), plus
+# a part that grows with the cache, not the chunk (31B, 128K tokens: 0.8 GiB), which
+# KV_RESERVE_LAYERS covers. 2 values leave a margin. Models with routed experts or per-layer
+# embeddings were never measured there and keep the older, wider margin of 4.
+KERNEL_VALUES_PER_TOKEN = 2
+UNMEASURED_KERNEL_VALUES_PER_TOKEN = 4
+# Reserved beside the cache: the K and V buffers of this many of its largest full-attention
+# layers (31B at 128K: 1 GiB, against the 0.8 GiB measured).
+KV_RESERVE_LAYERS = 1
+# The reference path also holds float32 attention scores: ~12 bytes per query head and cache
+# position (12.3 MiB per token at 64K, against 1.5 MiB at 4K).
 REFERENCE_VALUES_PER_TOKEN = 16
 REFERENCE_SCORE_BYTES = 12
 
@@ -191,12 +199,14 @@ def default_chunk_size(model: Gemma4ForCausalLM, batch: int, max_len: int, *,
     """Tokens per chunk when ``chunk_size`` is None.
 
     With device memory figures (``memory_stats()`` bytes_limit / bytes_in_use, e.g. on GPU):
-    free = limit - in use - the KV cache about to be allocated, where limit is the smaller of
+    free = limit - in use - the KV cache about to be allocated - a reserve of its
+    KV_RESERVE_LAYERS largest layers' K and V, where limit is the smaller of
     bytes_limit and ``memory_limit`` (bytes; a budget the whole prefill should stay under,
     e.g. the benchmark's 12 GiB on an H200 that has far more); the chunk is the largest power
     of two whose activations fit in ACTIVATION_FRACTION of that, clamped to [MIN_CHUNK,
     MAX_CHUNK]. One token of one sequence costs KERNEL_VALUES_PER_TOKEN values of the widest
-    layer activation when attention runs on the CUDA kernels, and REFERENCE_VALUES_PER_TOKEN
+    layer activation when attention runs on the CUDA kernels (UNMEASURED_KERNEL_VALUES_PER_TOKEN
+    for models with routed experts or per-layer embeddings), REFERENCE_VALUES_PER_TOKEN
     of them plus REFERENCE_SCORE_BYTES per query head and cache position when it runs through
     XLA (backend "reference", or no kernel). Without figures (CPU): DEFAULT_CHUNK. An estimate
     from measured runs, not a guarantee: pass chunk_size to override."""
@@ -207,15 +217,18 @@ def default_chunk_size(model: Gemma4ForCausalLM, batch: int, max_len: int, *,
     if "bytes_limit" not in stats or "bytes_in_use" not in stats:
         return DEFAULT_CHUNK
     cfg, itemsize = model.config, jnp.dtype(model.dtype).itemsize
-    cache_bytes = sum(2 * batch * s.num_kv_heads * s.head_dim * itemsize
-                      * (kv.ring_size(cfg.sliding_window, max_len) if s.is_sliding else max_len)
-                      for s in cfg.layers if not s.is_kv_shared)
+    layer_kv = sorted((2 * batch * s.num_kv_heads * s.head_dim * itemsize
+                       * (kv.ring_size(cfg.sliding_window, max_len) if s.is_sliding else max_len)
+                       for s in cfg.layers if not s.is_kv_shared), reverse=True)
+    cache_bytes = sum(layer_kv) + sum(layer_kv[:KV_RESERVE_LAYERS])  # the cache and a reserve
     widths = [cfg.hidden_size] + [2 * s.intermediate_size for s in cfg.layers]
     widths += [cfg.num_attention_heads * s.head_dim for s in cfg.layers]
     if cfg.enable_moe_block:
         widths.append(2 * cfg.top_k_experts * cfg.moe_intermediate_size)
     if _attention_on_kernels(model):
-        per_token = KERNEL_VALUES_PER_TOKEN * max(widths) * itemsize * batch
+        measured = not (cfg.enable_moe_block or cfg.has_ple)
+        values = KERNEL_VALUES_PER_TOKEN if measured else UNMEASURED_KERNEL_VALUES_PER_TOKEN
+        per_token = values * max(widths) * itemsize * batch
     else:
         per_token = (REFERENCE_VALUES_PER_TOKEN * max(widths) * itemsize
                      + REFERENCE_SCORE_BYTES * cfg.num_attention_heads * max_len) * batch
