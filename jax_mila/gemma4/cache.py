@@ -143,7 +143,7 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool, first: bool = Fa
 
     ``first`` (static): the caller promises pos == 0, the prompt's first chunk on an empty
     cache. A ring layer then attends over the chunk's own keys, as a one-shot prefill does: the
-    slab below would only append R zeros (12B, chunk 32768: ~6 ms of a 32K prefill to build,
+    slab below would only append R zeros (12B, chunk 32768: 6-7 ms of a 32K prefill to build,
     docs/performance.md).
 
     Padding is never written (its scatter indices are out of range, mode="drop"), so the cache

@@ -171,8 +171,8 @@ ACTIVATION_FRACTION = 0.5   # of the free device memory, for one chunk's activat
 # embeddings were never measured there and keep the older, wider margin of 4.
 KERNEL_VALUES_PER_TOKEN = 2
 UNMEASURED_KERNEL_VALUES_PER_TOKEN = 4
-# Reserved beside the cache: the K and V buffers of this many of its largest full-attention
-# layers (31B at 128K: 1 GiB, against the 0.8 GiB measured).
+# Reserved beside the cache: the K and V buffers of this many of its largest layers (the
+# full-attention ones, past the window; 31B at 128K: 1 GiB, against the 0.8 GiB measured).
 KV_RESERVE_LAYERS = 1
 # The reference path also holds float32 attention scores: ~12 bytes per query head and cache
 # position (12.3 MiB per token at 64K, against 1.5 MiB at 4K).
