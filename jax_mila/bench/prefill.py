@@ -152,8 +152,9 @@ def _jax_worker(spec: dict) -> None:
     auto = generate.default_chunk_size(model, 1, seqs[-1], memory_limit=int(spec["memory_budget_gib"] * GiB))
     own = spec["chunk_size"] == OWN_CHUNK
     chunk = None if own else spec["chunk_size"] or auto
-    print(f"{spec['backend']}: chunk {OWN_CHUNK if own else chunk} (default_chunk_size under "
-          f"{spec['memory_budget_gib']} GiB for {seqs[-1]} tokens: {auto})", flush=True)
+    print(f"{spec['backend']}: chunk {OWN_CHUNK if own else chunk} (--chunk-size auto would "
+          f"plan {auto}: default_chunk_size under {spec['memory_budget_gib']} GiB for "
+          f"{seqs[-1]} tokens)", flush=True)
     rng = np.random.default_rng(spec["seed"])
     previous_peak = init_peak
     for length in seqs:
