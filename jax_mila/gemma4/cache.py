@@ -175,26 +175,29 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool, first: bool = Fa
         slots = jnp.where(i < valid, pos + i, size + i)  # >= size: dropped (all distinct)
         k_buf, v_buf = set_rows(k_buf, slots, k), set_rows(v_buf, slots, v)
         return k_buf, v_buf, k_buf, v_buf, jnp.int32(0)
-    if first:
-        return _first_chunk_ring(k_buf, v_buf, k, v, valid)
-    n = jnp.minimum(pos, size)
-    row = jnp.arange(size + t, dtype=jnp.int32)  # view row j holds position pos - n + j
+    if first:  # pos == 0: the ring is empty and the chunk is its own view
+        n, k_view, v_view = 0, k, v
+    else:
+        n = jnp.minimum(pos, size)
+        row = jnp.arange(size + t, dtype=jnp.int32)  # view row j holds position pos - n + j
 
-    def slab(buf, x):
-        # [n ring keys in position order][T chunk keys][R - n zeros] as one elementwise select
-        # of two gathers, which XLA fuses into a single pass (read R + T rows, write R + T).
-        # Concatenating the position-ordered ring with the chunk and rolling the result (a
-        # traced roll is a concatenate plus a dynamic slice) wrote and read the R + T rows
-        # twice: 18 ms of a 12B 32K prefill in three XLA fusions (docs/performance.md).
-        ring_keys = jnp.take(buf, (row + pos - n) % size, axis=1, mode="clip")
-        chunk_keys = jnp.take(x, jnp.clip(row - n, 0, t - 1), axis=1, mode="clip")
-        j = row[None, :, None, None]
-        return jnp.where(j < n, ring_keys,
-                         jnp.where(j < n + t, chunk_keys, jnp.zeros((), x.dtype)))
+        def slab(buf, x):
+            # [n ring keys in position order][T chunk keys][R - n zeros] as one elementwise
+            # select of two gathers, which XLA fuses into a single pass (read R + T rows, write
+            # R + T). Concatenating the position-ordered ring with the chunk and rolling the
+            # result (a traced roll is a concatenate plus a dynamic slice) wrote and read the
+            # R + T rows twice: 18 ms of a 12B 32K prefill in three XLA fusions
+            # (docs/performance.md).
+            ring_keys = jnp.take(buf, (row + pos - n) % size, axis=1, mode="clip")
+            chunk_keys = jnp.take(x, jnp.clip(row - n, 0, t - 1), axis=1, mode="clip")
+            j = row[None, :, None, None]
+            return jnp.where(j < n, ring_keys,
+                             jnp.where(j < n + t, chunk_keys, jnp.zeros((), x.dtype)))
 
-    # Materialized (the barrier keeps XLA from fusing a second read of the old ring into the
-    # write below): attention needs these buffers anyway.
-    k_view, v_view = jax.lax.optimization_barrier((slab(k_buf, k), slab(v_buf, v)))
+        # Materialized (the barrier keeps XLA from fusing a second read of the old ring into
+        # the write below): attention needs these buffers anyway.
+        k_view, v_view = jax.lax.optimization_barrier((slab(k_buf, k), slab(v_buf, v)))
+
     # Only the last min(valid, R) real tokens reach the ring, so the scatter takes m = min(T, R)
     # rows (chunk tokens valid-m .. valid-1; those before token 0 are dropped), not T (12B,
     # chunk 4096, R 1024: 16.4 ms of a 32K prefill over 4096 rows, 12.1 ms over 1024;
@@ -215,18 +218,3 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool, first: bool = Fa
     k_buf, v_buf, k_view, v_view = jax.lax.optimization_barrier((k_buf, v_buf, k_view, v_view))
     return k_buf, v_buf, k_view, v_view, (pos - n).astype(jnp.int32)
 
-
-def _first_chunk_ring(k_buf, v_buf, k, v, valid):
-    """``chunk_update`` of a ring at pos 0: the chunk is its own view (kv_offset 0; its padding
-    lies after every real query), and its last min(valid, R) real keys fill the ring."""
-    t, size = k.shape[1], k_buf.shape[1]
-    m = min(t, size)
-    j = jnp.arange(m, dtype=jnp.int32)
-    src = valid - m + j  # chunk token (= position) of update row j; < 0: before the prompt
-    slots = jnp.where(src >= 0, src % size, size + j)
-    rows = jnp.maximum(src, 0)
-    k_buf = set_rows(k_buf, slots, jnp.take(k, rows, axis=1))
-    v_buf = set_rows(v_buf, slots, jnp.take(v, rows, axis=1))
-    # As in chunk_update: attention reads the chunk's keys only after the ring is written, so
-    # no layer holds them until the end of the step.
-    return (*jax.lax.optimization_barrier((k_buf, v_buf, k, v)), jnp.int32(0))
