@@ -134,6 +134,31 @@ class Gemma4DecoderLayer(nnx.Module):
         return h * self.layer_scalar[...].astype(h.dtype), kv_view, entry
 
 
+def run_layers(layers, h, tables, entries, *, offset, mode, max_len, valid, first_chunk=False,
+               ple=None, kv_sources=frozenset(), return_layers=False):
+    """Decoder layers ``layers`` (consecutive, with their cache ``entries``: None where a layer
+    has none) on the hidden state h, as Gemma4ForCausalLM.hidden_states runs them; the chunked
+    prefill's pieces (gemma4/pieces.py) run slices of the stack through it too, so that both
+    compute the same. ``tables``: rope_tables per layer type; ``ple``: [B, T, len(layers), D]
+    per-layer inputs or None; ``kv_sources``: indices (into ``layers``) of the layers whose K/V
+    view the KV-shared layers of their type read. Returns (h, new entries, each layer's output
+    or None)."""
+    shared, new_entries, outputs = {}, [], [] if return_layers else None
+    for i, (layer, entry) in enumerate(zip(layers, entries)):
+        spec = layer.spec
+        h, kv_view, new_entry = layer(
+            h, ple[:, :, i] if ple is not None else None, *tables[spec.layer_type],
+            offset=offset, mode=mode, entry=entry, max_len=max_len, valid=valid,
+            first_chunk=first_chunk,
+            shared=shared.get(spec.layer_type) if spec.is_kv_shared else None)
+        if i in kv_sources:
+            shared[spec.layer_type] = kv_view
+        if return_layers:
+            outputs.append(h)
+        new_entries.append(new_entry)
+    return h, new_entries, outputs
+
+
 class Gemma4ForCausalLM(nnx.Module):
     """The text decoder with its (tied) output head.
 
@@ -224,21 +249,14 @@ class Gemma4ForCausalLM(nnx.Module):
         ple = self.per_layer_inputs(input_ids, h) if cfg.has_ple else None
         tables = {lt: rope_tables(spec, positions, self.dtype) for lt, spec in cfg.rope.items()}
         sources = set(cfg.kv_sources.values()) if cfg.num_kv_shared_layers else set()
-        shared, keys, values, layer_outputs = {}, [], [], []
-        for i, layer in enumerate(self.layers):
-            spec = layer.spec
-            entry = (cache.keys[i], cache.values[i]) if cached and not spec.is_kv_shared else None
-            h, kv_view, new_entry = layer(
-                h, ple[:, :, i] if ple is not None else None, *tables[spec.layer_type],
-                offset=offset, mode=mode, entry=entry, max_len=max_len, valid=valid,
-                first_chunk=first_chunk,
-                shared=shared.get(spec.layer_type) if spec.is_kv_shared else None)
-            if i in sources:
-                shared[spec.layer_type] = kv_view
-            if return_layers:
-                layer_outputs.append(h)
-            keys.append(new_entry[0] if new_entry is not None else None)
-            values.append(new_entry[1] if new_entry is not None else None)
+        entries = [(cache.keys[i], cache.values[i]) if cached and not layer.spec.is_kv_shared
+                   else None for i, layer in enumerate(self.layers)]
+        h, new_entries, layer_outputs = run_layers(
+            self.layers, h, tables, entries, offset=offset, mode=mode, max_len=max_len,
+            valid=valid, first_chunk=first_chunk, ple=ple, kv_sources=sources,
+            return_layers=return_layers)
+        keys = [e[0] if e is not None else None for e in new_entries]
+        values = [e[1] if e is not None else None for e in new_entries]
         new_cache = None if mode == "full" else KVCache(
             keys=tuple(keys), values=tuple(values), length=offset + valid, max_len=max_len,
             seq_layout=cache.seq_layout if cached else ())

@@ -11,10 +11,11 @@ other pieces are flattened and dispatched while it runs.
 A piece reads the embedding (the first piece) and its layers' weights, takes the hidden state
 of the piece before it (the first: the chunk's token ids) and its layers' cache entries
 (donated), and returns the hidden state (the last piece: the last real token's, as
-generate.chunk_hidden does) and the new entries. Each layer runs exactly as in
-Gemma4ForCausalLM.hidden_states(mode="chunk"), so the pieces compute what the one-step chunk
-does. Models with per-layer embeddings or KV-shared layers keep the one-step path (a layer
-there reads more than its own entry and the previous hidden state), as does every mesh.
+generate.chunk_hidden does) and the new entries. Each layer runs exactly as
+Gemma4ForCausalLM.hidden_states(mode="chunk") runs it (both through model.run_layers), so the
+pieces compute what the one-step chunk does. Models with per-layer embeddings or KV-shared
+layers keep the one-step path (a layer there reads more than its own entry and the previous
+hidden state), as does every mesh.
 JAX_MILA_PREFILL_ONE_STEP=1 (read per prefill call) keeps it too, for A/B timing.
 """
 
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_mila.gemma4.cache import KVCache
-from jax_mila.gemma4.model import Gemma4ForCausalLM
+from jax_mila.gemma4.model import Gemma4ForCausalLM, run_layers
 from jax_mila.gemma4.rope import rope_tables
 
 ONE_STEP_ENV = "JAX_MILA_PREFILL_ONE_STEP"
@@ -81,12 +82,8 @@ def _piece(structure, weights, x, entries, offset, valid, rope, dtype, max_len, 
     h = embed(x) if embed is not None else x
     positions = offset + jnp.arange(h.shape[1], dtype=jnp.int32)
     tables = {layer_type: rope_tables(spec, positions, dtype) for layer_type, spec in rope}
-    new_entries = []
-    for layer, entry in zip(layers, entries):
-        h, _, new_entry = layer(h, None, *tables[layer.spec.layer_type], offset=offset,
-                                mode="chunk", entry=entry, max_len=max_len, valid=valid,
-                                first_chunk=first, shared=None)
-        new_entries.append(new_entry)
+    h, new_entries, _ = run_layers(layers, h, tables, entries, offset=offset, mode="chunk",
+                                   max_len=max_len, valid=valid, first_chunk=first)
     if last:
         h = jax.lax.dynamic_index_in_dim(h, valid - 1, axis=1, keepdims=False)
     return h, tuple(new_entries)
