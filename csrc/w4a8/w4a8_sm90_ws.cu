@@ -255,6 +255,15 @@ __device__ __forceinline__ void wait_flag(const uint32_t* flag) {
 
 // ---- kernel ---------------------------------------------------------------------------------
 
+#ifdef MILA_W4A8_WS_CONVERT_TWICE
+// Diagnostic build (BUILD.md): the consumers convert every weight word a second time, from
+// copies the compiler cannot prove equal to the first (XOR with this zero, read from global
+// memory), and AND the two results. The sums stay exact; a benchmark of this build against the
+// plain one measures what one conversion of the weights costs at the board's power limit.
+__device__ uint32_t g_convert_twice_zero = 0;
+#endif
+
+
 // kInterleave: the first half's wgmma of each weight block is issued right after that block's
 // conversion, behind its own wgmma.fence (JAX_MILA_W4A8_WS_CONVERT=interleaved, kept for
 // comparison); by default the chain's blocks are all converted first, then one fence and the
@@ -470,6 +479,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         r[h].e = *reinterpret_cast<const uint32_t*>(se + row * kKBlocks);
       }
     };
+#ifdef MILA_W4A8_WS_CONVERT_TWICE
+    const uint32_t twice_zero = *static_cast<volatile uint32_t*>(&g_convert_twice_zero);
+#endif
     // A fragment of block kb: {row g k 4q.., row g+8 k 4q.., row g k 16+4q.., row g+8 k 16+4q..}.
     auto convert = [&](const RowWords (&r)[2], int kb, uint32_t (&a)[4]) {
 #pragma unroll
@@ -477,6 +489,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint4& w = r[h].w;
         const uint32_t word = kb == 0 ? w.x : kb == 1 ? w.y : kb == 2 ? w.z : w.w;
         word_to_e4m3(word, (r[h].e >> (8 * kb)) & 0xFFu, lut[h], a[h], a[2 + h]);
+#ifdef MILA_W4A8_WS_CONVERT_TWICE
+        uint32_t lo2, hi2;
+        word_to_e4m3(word ^ twice_zero, ((r[h].e ^ twice_zero) >> (8 * kb)) & 0xFFu, lut[h],
+                     lo2, hi2);
+        a[h] &= lo2;
+        a[2 + h] &= hi2;
+#endif
       }
     };
 
