@@ -8,6 +8,11 @@ variant keeps. Prints a table, one line per variant: time, TFLOP/s over all SMs,
 Needs an sm_90 GPU and nvcc (PATH, $CUDA_HOME or /usr/local/cuda).
 
     python3 benchmarks/wgmma_loop.py [--tiles 4096]
+    python3 benchmarks/wgmma_loop.py --micro alu_overlap [--tiles 20000]
+
+--micro alu_overlap runs benchmarks/micro/wgmma_alu_overlap.cu instead: whether integer work
+beside FP8 wgmmas in flight slows them, with A from registers or from shared memory (--tiles is
+then its number of 8-wgmma batches).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCE = os.path.join(ROOT, "benchmarks", "micro", "wgmma_fp8_loop.cu")
+SOURCES = {"loop": "wgmma_fp8_loop.cu", "alu_overlap": "wgmma_alu_overlap.cu"}
 
 
 def _nvcc() -> str:
@@ -35,15 +40,19 @@ def _nvcc() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiles", type=int, default=4096,
-                        help="K tiles per CTA, even (default 4096)")
+    parser.add_argument("--micro", choices=sorted(SOURCES), default="loop")
+    parser.add_argument("--tiles", type=int, default=None,
+                        help="K tiles per CTA, even (default 4096); alu_overlap: batches "
+                             "(default 20000)")
     args = parser.parse_args()
+    source = os.path.join(ROOT, "benchmarks", "micro", SOURCES[args.micro])
+    tiles = args.tiles or (4096 if args.micro == "loop" else 20000)
     with tempfile.TemporaryDirectory() as tmp:
         exe = os.path.join(tmp, "wgmma_fp8_loop")
         subprocess.run([_nvcc(), "-gencode", "arch=compute_90a,code=sm_90a", "-O3", "-std=c++17",
-                        "-DMILA_HAS_SM90A", "-I", os.path.join(ROOT, "csrc"), SOURCE, "-o", exe],
+                        "-DMILA_HAS_SM90A", "-I", os.path.join(ROOT, "csrc"), source, "-o", exe],
                        check=True)
-        return subprocess.run([exe, str(args.tiles)], check=False).returncode
+        return subprocess.run([exe, str(tiles)], check=False).returncode
 
 
 if __name__ == "__main__":
