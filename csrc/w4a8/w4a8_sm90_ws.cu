@@ -488,7 +488,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int h = 0; h < 2; ++h) {
         const uint4& w = r[h].w;
         const uint32_t word = kb == 0 ? w.x : kb == 1 ? w.y : kb == 2 ? w.z : w.w;
+#ifdef MILA_W4A8_WS_NO_CONVERT
+        // Diagnostic build, wrong results: the packed word's bits as e4m3 fragments (masked so
+        // that no byte is a NaN), three instructions instead of the conversion's ~10 and no
+        // exponent tables: a benchmark of it bounds what taking the conversion off the
+        // consumers could buy.
+        a[h] = word & 0x77777777u;
+        a[2 + h] = (word >> 1) & 0x77777777u;
+#else
         word_to_e4m3(word, (r[h].e >> (8 * kb)) & 0xFFu, lut[h], a[h], a[2 + h]);
+#endif
 #ifdef MILA_W4A8_WS_CONVERT_TWICE
         uint32_t lo2, hi2;
         word_to_e4m3(word ^ twice_zero, ((r[h].e ^ twice_zero) >> (8 * kb)) & 0xFFu, lut[h],
