@@ -270,7 +270,14 @@ __device__ uint32_t g_convert_twice_zero = 0;
 // half's 8 wgmmas back to back. Same wgmmas in the same order, so the same sums; measured on
 // the H200 (2026-12-01, docs/performance.md) convert-first ran 4.5% more FLOP per SM clock in
 // benchmarks/micro/wgmma_fp8_loop.cu and 5-19% faster in the kernel (qkv, gate+up, down at
-// M = 16384), where the interleaved order had looked ~1% better in an ncu profile.
+// M = 16384), where the interleaved order had looked ~1% better in an ncu profile. Every order
+// that converts while this warpgroup's own wgmmas run has lost: interleaved, the next chain
+// converted ahead (n64 quarters, 2026-12-02: -4..-7%), each K tile converted under the tile
+// before's wgmmas (2026-12-02: -3..-7%, ncu 76% tensor-pipe activity against 80%). A
+// warpgroup's integer work does not hide under its own register-A wgmmas as it does under
+// shared-memory-A ones or under the other warpgroup's: 8 conversions per 8-wgmma batch left
+// 91% of the tensor rate, against 100% in both other cases
+// (benchmarks/micro/wgmma_alu_overlap.cu).
 //
 // kCluster 2 (kernel="wgmma_ws_cluster"; convert-first only): two CTAs of a cluster take
 // adjacent weight tiles of one activation tile, and each loads half of every activation stage
