@@ -255,14 +255,16 @@ __device__ __forceinline__ void wait_flag(const uint32_t* flag) {
 
 // ---- kernel ---------------------------------------------------------------------------------
 
+#if defined(MILA_W4A8_WS_CONVERT_TWICE) && defined(MILA_W4A8_WS_NO_CONVERT)
+#error "MILA_W4A8_WS_CONVERT_TWICE and MILA_W4A8_WS_NO_CONVERT are two separate diagnostic builds"
+#endif
 #ifdef MILA_W4A8_WS_CONVERT_TWICE
 // Diagnostic build (BUILD.md): the consumers convert every weight word a second time, from
 // copies the compiler cannot prove equal to the first (XOR with this zero, read from global
 // memory), and AND the two results. The sums stay exact; a benchmark of this build against the
-// plain one measures what one conversion of the weights costs at the board's power limit.
+// plain one measures what one more conversion costs the consumers' turnaround.
 __device__ uint32_t g_convert_twice_zero = 0;
 #endif
-
 
 // kInterleave: the first half's wgmma of each weight block is issued right after that block's
 // conversion, behind its own wgmma.fence (JAX_MILA_W4A8_WS_CONVERT=interleaved, kept for
