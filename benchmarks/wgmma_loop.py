@@ -25,7 +25,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCES = {"loop": "wgmma_fp8_loop.cu", "alu_overlap": "wgmma_alu_overlap.cu"}
+# --micro: its source under benchmarks/micro and the default of the count it takes.
+MICROS = {"loop": ("wgmma_fp8_loop.cu", 4096), "alu_overlap": ("wgmma_alu_overlap.cu", 20000)}
 
 
 def _nvcc() -> str:
@@ -40,15 +41,16 @@ def _nvcc() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--micro", choices=sorted(SOURCES), default="loop")
+    parser.add_argument("--micro", choices=sorted(MICROS), default="loop")
     parser.add_argument("--tiles", type=int, default=None,
                         help="K tiles per CTA, even (default 4096); alu_overlap: batches "
                              "(default 20000)")
     args = parser.parse_args()
-    source = os.path.join(ROOT, "benchmarks", "micro", SOURCES[args.micro])
-    tiles = args.tiles or (4096 if args.micro == "loop" else 20000)
+    name, default_count = MICROS[args.micro]
+    source = os.path.join(ROOT, "benchmarks", "micro", name)
+    tiles = default_count if args.tiles is None else args.tiles
     with tempfile.TemporaryDirectory() as tmp:
-        exe = os.path.join(tmp, "wgmma_fp8_loop")
+        exe = os.path.join(tmp, args.micro)
         subprocess.run([_nvcc(), "-gencode", "arch=compute_90a,code=sm_90a", "-O3", "-std=c++17",
                         "-DMILA_HAS_SM90A", "-I", os.path.join(ROOT, "csrc"), source, "-o", exe],
                        check=True)
