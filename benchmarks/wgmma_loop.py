@@ -9,10 +9,13 @@ Needs an sm_90 GPU and nvcc (PATH, $CUDA_HOME or /usr/local/cuda).
 
     python3 benchmarks/wgmma_loop.py [--tiles 4096]
     python3 benchmarks/wgmma_loop.py --micro alu_overlap [--tiles 20000]
+    python3 benchmarks/wgmma_loop.py --micro smem_traffic [--tiles 20000]
 
 --micro alu_overlap runs benchmarks/micro/wgmma_alu_overlap.cu instead: whether integer work
 beside FP8 wgmmas in flight slows them, with A from registers or from shared memory (--tiles is
-then its number of 8-wgmma batches).
+then its number of 8-wgmma batches). --micro smem_traffic runs benchmarks/micro/wgmma_smem_traffic.cu:
+how much shared-memory bandwidth other warps get beside FP8 wgmmas at the full rate (--tiles: its
+number of 8-wgmma batches).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --micro: its source under benchmarks/micro and the default of the count it takes.
-MICROS = {"loop": ("wgmma_fp8_loop.cu", 4096), "alu_overlap": ("wgmma_alu_overlap.cu", 20000)}
+MICROS = {"loop": ("wgmma_fp8_loop.cu", 4096), "alu_overlap": ("wgmma_alu_overlap.cu", 20000),
+          "smem_traffic": ("wgmma_smem_traffic.cu", 20000)}
 
 
 def _nvcc() -> str:
@@ -43,8 +47,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--micro", choices=sorted(MICROS), default="loop")
     parser.add_argument("--tiles", type=int, default=None,
-                        help="K tiles per CTA, even (default 4096); alu_overlap: batches "
-                             "(default 20000)")
+                        help="K tiles per CTA, even (default 4096); alu_overlap, "
+                             "smem_traffic: batches (default 20000)")
     args = parser.parse_args()
     name, default_count = MICROS[args.micro]
     source = os.path.join(ROOT, "benchmarks", "micro", name)
