@@ -24,19 +24,15 @@
 #include <cstdlib>
 
 #include "common/ptx.cuh"
+#include "fp8_wgmma_batches.cuh"
 #include "sm90_device.h"
 
 namespace mila::bench {
 
-enum class AOperand : int { kRegisters, kShared };
 enum class AluSide : int { kNone, kOwn, kOther };
 
 constexpr int kThreads = 256;
-constexpr int kXBytes = 256 * 128;  // B: two n128 halves x 128 K bytes, 128-byte swizzle
-constexpr int kABytes = 64 * 128;   // A (ss): 64 rows x 128 K bytes, 128-byte swizzle
-constexpr int kSmemBytes = kXBytes + kABytes + 1024;
-constexpr double kFlopPerBatch = 8 * 2.0 * 64 * 128 * 32;
-constexpr double kFlopPerSmCycle = 8192;  // dense FP8 wgmma, H100 / H200
+constexpr int kSmemBytes = kBatchBBytes + kBatchABytes + 1024;
 
 // `words` conversions of weight words that change each time (an LCG step per word), four
 // streams for the instruction-level parallelism the kernels' conversion has; folded into x.
@@ -61,7 +57,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t raw = ptx::smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   uint8_t* smem = smem_raw + (base - raw);
-  for (int i = threadIdx.x; i < (kXBytes + kABytes) / 4; i += kThreads)
+  for (int i = threadIdx.x; i < (kBatchBBytes + kBatchABytes) / 4; i += kThreads)
     reinterpret_cast<uint32_t*>(smem)[i] = 0x38383838u;  // e4m3 1.0
   ptx::sm90::fence_proxy_async_shared();
   __syncthreads();
@@ -76,36 +72,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  uint32_t a[4][4];
-#pragma unroll
-  for (int kb = 0; kb < 4; ++kb)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) a[kb][e] = 0x38383838u;
   float acc[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-
-  const long long cycle0 = clock64();
-#pragma unroll 1
-  for (int b = 0; b < batches; ++b) {
-    ptx::sm90::wgmma_fence();
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int kb = 0; kb < 4; ++kb) {
-        const uint64_t desc_b = ptx::sm90::desc_k128b(base + h * (kXBytes / 2) + kb * 32);
-        if constexpr (kA == AOperand::kRegisters)
-          ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(acc, a[kb], desc_b);
-        else
-          ptx::w4a8::wgmma_m64n128k32_e4m3_ss<true>(
-              acc, ptx::sm90::desc_k128b(base + kXBytes + kb * 32), desc_b);
-      }
-    ptx::sm90::wgmma_commit();
+  const long long cycles = time_wgmma_batches<kA>(batches, base, acc, [&] {
     if constexpr (kAlu == AluSide::kOwn) convert_words(words, w, x);
-    ptx::sm90::wgmma_wait<1>();
-  }
-  ptx::sm90::wgmma_wait<0>();
-  const long long cycles = clock64() - cycle0;
+  });
   ptx::sm90::fence_operands(acc);
   float sum = static_cast<float>(x);
 #pragma unroll
@@ -143,8 +113,7 @@ Row run(const char* name, int words, int sms, int batches, float* sink,
     unsigned long long cycles = 0;
     cudaMemcpy(&cycles, clocks, sizeof(cycles), cudaMemcpyDeviceToHost);
     if (rep > 0 && ms < best.ms)
-      best = {name, words, ms, kFlopPerBatch * batches / static_cast<double>(cycles) /
-                                   kFlopPerSmCycle};
+      best = {name, words, ms, tensor_share(batches, cycles)};
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);

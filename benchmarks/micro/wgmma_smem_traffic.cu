@@ -25,24 +25,20 @@
 #include <cstdlib>
 
 #include "common/ptx.cuh"
+#include "fp8_wgmma_batches.cuh"
 #include "sm90_device.h"
 
 namespace mila::bench {
 
-enum class AOperand : int { kRegisters, kShared };
 // Warpgroup 1's accesses: none, loads only, stores only, or one load and two stores per step
 // (a converter's ratio: 8 KiB of packed weights in, 16 KiB of e4m3 out per K tile).
 enum class Traffic : int { kNone, kLoads, kStores, kConvert };
 
 constexpr int kThreads = 256;
-constexpr int kXBytes = 256 * 128;  // B: two n128 halves x 128 K bytes, 128-byte swizzle
-constexpr int kABytes = 64 * 128;   // A (ss): 64 rows x 128 K bytes, 128-byte swizzle
 constexpr int kBufBytes = 16 * 1024;  // warpgroup 1's buffer
-constexpr int kBufOffset = kXBytes + kABytes;
+constexpr int kBufOffset = kBatchBBytes + kBatchABytes;
 constexpr int kFlagOffset = kBufOffset + kBufBytes;
 constexpr int kSmemBytes = kFlagOffset + 16 + 1024;
-constexpr double kFlopPerBatch = 8 * 2.0 * 64 * 128 * 32;
-constexpr double kFlopPerSmCycle = 8192;  // dense FP8 wgmma, H100 / H200
 
 // `pad` dependent integer steps on x (the throttle).
 __device__ __forceinline__ void spin(int pad, uint32_t& x) {
@@ -101,35 +97,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  uint32_t a[4][4];
-#pragma unroll
-  for (int kb = 0; kb < 4; ++kb)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) a[kb][e] = 0x38383838u;
   float acc[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-
-  const long long cycle0 = clock64();
-#pragma unroll 1
-  for (int b = 0; b < batches; ++b) {
-    ptx::sm90::wgmma_fence();
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int kb = 0; kb < 4; ++kb) {
-        const uint64_t desc_b = ptx::sm90::desc_k128b(base + h * (kXBytes / 2) + kb * 32);
-        if constexpr (kA == AOperand::kRegisters)
-          ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(acc, a[kb], desc_b);
-        else
-          ptx::w4a8::wgmma_m64n128k32_e4m3_ss<true>(
-              acc, ptx::sm90::desc_k128b(base + kXBytes + kb * 32), desc_b);
-      }
-    ptx::sm90::wgmma_commit();
-    ptx::sm90::wgmma_wait<1>();
-  }
-  ptx::sm90::wgmma_wait<0>();
-  const long long cycles = clock64() - cycle0;
+  const long long cycles = time_wgmma_batches<kA>(batches, base, acc, [] {});
   if (threadIdx.x == 0) *done = 1;
   ptx::sm90::fence_operands(acc);
   float sum = 0.f;
@@ -165,7 +134,7 @@ Row run(const char* name, int pad, int sms, int batches, float* sink,
     }
     unsigned long long s[3] = {};
     cudaMemcpy(s, stats, sizeof(s), cudaMemcpyDeviceToHost);
-    const double share = kFlopPerBatch * batches / static_cast<double>(s[0]) / kFlopPerSmCycle;
+    const double share = tensor_share(batches, s[0]);
     const double traffic = s[2] > 0 ? static_cast<double>(s[1]) / static_cast<double>(s[2]) : 0.0;
     if (rep > 0 && share > best.tensor_share)
       best = {name, pad, share, traffic, kOperandBytes * share};
