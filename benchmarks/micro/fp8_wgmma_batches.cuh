@@ -23,6 +23,22 @@ inline double tensor_share(int batches, unsigned long long cycles) {
   return kFlopPerBatch * batches / static_cast<double>(cycles) / kFlopPerSmCycle;
 }
 
+// Every 4-byte word of smem[0, bytes) to e4m3 1.0 x 4 (the operand tiles' contents), by the
+// block's `threads` threads; the caller fences and synchronizes.
+__device__ __forceinline__ void fill_e4m3_ones(uint8_t* smem, int bytes, int threads) {
+  for (int i = threadIdx.x; i < bytes / 4; i += threads)
+    reinterpret_cast<uint32_t*>(smem)[i] = 0x38383838u;
+}
+
+// init + the sum of the retired accumulator: what a timed loop writes out to stay alive.
+__device__ __forceinline__ float accumulator_sum(float (&acc)[64], float init) {
+  ptx::sm90::fence_operands(acc);
+  float sum = init;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) sum += acc[i];
+  return sum;
+}
+
 // `batches` batches into acc (zeroed first); `between()` runs after each batch's commit, while
 // it is in flight. Returns the SM cycles of the loop, up to the last batch's retirement.
 template <AOperand kA, typename Between>

@@ -57,8 +57,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t raw = ptx::smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   uint8_t* smem = smem_raw + (base - raw);
-  for (int i = threadIdx.x; i < (kBatchBBytes + kBatchABytes) / 4; i += kThreads)
-    reinterpret_cast<uint32_t*>(smem)[i] = 0x38383838u;  // e4m3 1.0
+  fill_e4m3_ones(smem, kBatchBBytes + kBatchABytes, kThreads);
   ptx::sm90::fence_proxy_async_shared();
   __syncthreads();
 
@@ -76,11 +75,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const long long cycles = time_wgmma_batches<kA>(batches, base, acc, [&] {
     if constexpr (kAlu == AluSide::kOwn) convert_words(words, w, x);
   });
-  ptx::sm90::fence_operands(acc);
-  float sum = static_cast<float>(x);
-#pragma unroll
-  for (int i = 0; i < 64; ++i) sum += acc[i];
-  sink[blockIdx.x * kThreads + threadIdx.x] = sum;  // keeps the loop alive
+  sink[blockIdx.x * kThreads + threadIdx.x] = accumulator_sum(acc, static_cast<float>(x));
   if (blockIdx.x == 0 && threadIdx.x == 0) clocks[0] = static_cast<unsigned long long>(cycles);
 #endif
 }

@@ -54,8 +54,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t raw = ptx::smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   uint8_t* smem = smem_raw + (base - raw);
-  for (int i = threadIdx.x; i < kFlagOffset / 4; i += kThreads)
-    reinterpret_cast<uint32_t*>(smem)[i] = 0x38383838u;  // e4m3 1.0
+  fill_e4m3_ones(smem, kFlagOffset, kThreads);
   volatile uint32_t* done = reinterpret_cast<volatile uint32_t*>(smem + kFlagOffset);
   if (threadIdx.x == 0) *done = 0;
   ptx::sm90::fence_proxy_async_shared();
@@ -100,11 +99,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[64];
   const long long cycles = time_wgmma_batches<kA>(batches, base, acc, [] {});
   if (threadIdx.x == 0) *done = 1;
-  ptx::sm90::fence_operands(acc);
-  float sum = 0.f;
-#pragma unroll
-  for (int i = 0; i < 64; ++i) sum += acc[i];
-  sink[blockIdx.x * kThreads + threadIdx.x] = sum;  // keeps the loop alive
+  sink[blockIdx.x * kThreads + threadIdx.x] = accumulator_sum(acc, 0.f);
   if (blockIdx.x == 0 && threadIdx.x == 0) stats[0] = static_cast<unsigned long long>(cycles);
 #endif
 }
