@@ -35,6 +35,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from jax_mila import ffi, testing
+from jax_mila.ffi._registry import _registered_targets
 
 FLOOR = 2.0**-8
 LSE_ATOL = 1e-3
@@ -346,6 +347,23 @@ class FlashAttentionCpuTest(parameterized.TestCase, _Checks):
         with self.assertRaisesRegex(ValueError, "q: T \\* Hq / Hkv = 4294967296 packed rows"):
             jax.eval_shape(lambda q, k: ffi.flash_attention(q, k, k, causal=True), q, k)
 
+    def test_grid_limits_refused(self):
+        # Abstract, never allocated: B and Hkv are grid dimensions of the kernels.
+        q = jax.ShapeDtypeStruct((65536, 8, 1, 256), jnp.bfloat16)
+        with self.assertRaisesRegex(ValueError, "q: batch 65536 is not supported"):
+            jax.eval_shape(lambda q: ffi.flash_attention(q, q, q), q)
+        q = jax.ShapeDtypeStruct((1, 8, 65536, 256), jnp.bfloat16)
+        with self.assertRaisesRegex(ValueError, "k: Hkv=65536 KV heads are not supported"):
+            jax.eval_shape(lambda q: ffi.flash_attention(q, q, q), q)
+
+    def test_vmap_past_the_batch_limit_maps(self):
+        # Folding a vmapped axis into B would pass the kernels' batch limit: one call per
+        # element instead (a scan in the jaxpr), not an error.
+        q = jax.ShapeDtypeStruct((65536, 1, 8, 1, 256), jnp.bfloat16)
+        f = jax.vmap(lambda q: ffi.flash_attention(q, q, q, causal=True))
+        self.assertEqual(jax.eval_shape(f, q).shape, q.shape)
+        self.assertIn("scan", str(jax.make_jaxpr(f)(q)))
+
     def test_bad_head_dim(self):
         x = jnp.zeros((1, 4, 2, 128), jnp.bfloat16)
         self._bad(r"flash_attention: q: head_dim=128 is not supported", x, x, x)
@@ -366,6 +384,7 @@ class FlashAttentionCpuTest(parameterized.TestCase, _Checks):
         self._bad(r"k: batch 2 must equal q's 1", x, jnp.zeros((2, 4, 2, 256), jnp.bfloat16),
                   jnp.zeros((2, 4, 2, 256), jnp.bfloat16))
         self._bad(r"q: empty arrays", x[:, :0], x, x)
+        self._bad(r"q: expected an array \(jax or numpy\), got list", [[1]], x, x)
 
     def test_bad_gqa_ratio(self):
         q6 = jnp.zeros((1, 4, 6, 256), jnp.bfloat16)
@@ -378,8 +397,17 @@ class FlashAttentionCpuTest(parameterized.TestCase, _Checks):
     def test_bad_window_scale_offsets(self):
         x = jnp.zeros((1, 4, 2, 256), jnp.bfloat16)
         self._bad(r"window: a sliding window needs causal=True", x, x, x, window=4)
-        self._bad(r"window: must be None or an int >= 1, got 0", x, x, x, causal=True, window=0)
-        self._bad(r"scale: must be a finite", x, x, x, scale=float("inf"))
+        self._bad(r"window: must be None or an int in \[1, 2\^31 - 1\], got 0", x, x, x,
+                  causal=True, window=0)
+        self._bad(r"window: .*got 2147483648", x, x, x, causal=True, window=2**31)
+        # The kernels take scale as float32 and positions as int32: nothing may overflow on the
+        # way (1e300 would be inf, 2**32 would wrap to 0).
+        for scale in (float("inf"), 1e300, "a", True):
+            self._bad(r"scale: must be None or a number that float32 holds", x, x, x, scale=scale)
+        for off in (np.int64(2**32), 2**40, np.uint32(2**32 - 1), -2**31 - 1):
+            self._bad(r"q_offset: -?\d+ is out of range \(supported: int32", x, x, x,
+                      q_offset=off)
+        self._bad(r"kv_offset: 2147483648 is out of range", x, x, x, kv_offset=np.int64(2**31))
         self._bad(r"q_offset: must be an integer scalar", x, x, x, q_offset=jnp.zeros(2, jnp.int32))
         self._bad(r"kv_offset: must be an integer scalar", x, x, x, kv_offset=1.5)
         y = jnp.zeros((1, 4, 2, 512), jnp.bfloat16)
@@ -535,6 +563,49 @@ def _make_gpu_test_class(d: int, env: dict[str, str] | None = None):
                 jax.block_until_ready(call(qd, kb, kb, jnp.int32(0), jnp.int32(0),
                                            scale=np.float32(1.0), causal=True,
                                            window=np.int64(0)))
+            k1 = jnp.zeros((1, 8, 1, d), jnp.bfloat16)
+            for kw, pattern in ((dict(scale=np.float32(np.inf)), "scale=inf must be finite"),
+                                (dict(window=np.int64(2**31)), "window=2147483648 is out of range"),
+                                (dict(window=np.int64(4), causal=False), "needs causal=True")):
+                attrs = dict(scale=np.float32(1.0), causal=True, window=np.int64(0))
+                attrs.update(kw)
+                with self.subTest(pattern=pattern), \
+                        self.assertRaisesRegex(Exception, "INVALID_ARGUMENT.*" + pattern):
+                    jax.block_until_ready(call(qd, k1, k1, jnp.int32(0), jnp.int32(0), **attrs))
+            # Three query heads per KV head: the mma.sync kernels take it, the Hopper kernels
+            # (64-row tiles of packed heads) refuse it in their handler.
+            q3 = jnp.zeros((1, 8, 3, d), jnp.bfloat16)
+            hopper = f"{target}_sm90"
+            for name in [target] + ([hopper] if hopper in _registered_targets()
+                                    and testing.compute_capability() == (9, 0) else []):
+                call3 = jax.ffi.ffi_call(name, (jax.ShapeDtypeStruct(q3.shape, jnp.bfloat16),
+                                                jax.ShapeDtypeStruct((1, 3, 8), jnp.float32)))
+                run3 = lambda: jax.block_until_ready(call3(  # noqa: E731
+                    q3, k1, k1, jnp.int32(0), jnp.int32(0), scale=np.float32(1.0),
+                    causal=True, window=np.int64(0)))
+                with self.subTest(target=name):
+                    if name == hopper:
+                        with self.assertRaisesRegex(Exception,
+                                                    "INVALID_ARGUMENT.*a divisor of 64"):
+                            run3()
+                    else:
+                        run3()
+
+        if d == 256:
+            @mock.patch.dict(os.environ, {"JAX_MILA_FLASH256_SM90": "0"})
+            def test_small_cpp_refuses_more_queries_than_the_grid_holds(self):
+                ffi.status("flash_attention", target)
+                t = 65535 * 64 + 1  # 2 GiB of queries, never read: refused before the launch
+                q = jnp.zeros((1, t, 1, d), jnp.bfloat16)
+                k = jnp.zeros((1, 8, 1, d), jnp.bfloat16)
+                call = jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+                                                 jax.ShapeDtypeStruct((1, 1, t), jnp.float32)))
+                with self.assertRaisesRegex(Exception, f"INVALID_ARGUMENT.*T={t} queries"):
+                    jax.block_until_ready(call(q, k, k, jnp.int32(0), jnp.int32(0),
+                                               scale=np.float32(1.0), causal=True,
+                                               window=np.int64(0)))
+                with self.assertRaisesRegex(ValueError, f"q: T={t} queries are more than"):
+                    ffi.flash_attention(q, k, k, causal=True)
 
     GpuTest.__name__ = GpuTest.__qualname__ = f"FlashAttentionD{d}GpuTest"
     return GpuTest

@@ -233,6 +233,13 @@ class ValidationTest(parameterized.TestCase):
              pattern="sin: dtype float32 is not supported.*bfloat16"),
         dict(testcase_name="eps_zero", eps=0.0, pattern=r"eps: 0.0 is not supported.*> 0"),
         dict(testcase_name="eps_array", eps=np.ones(2), pattern="eps: must be a static Python"),
+        # The kernels take eps as float32: 1e-50 would reach them as 0, 1e300 as inf.
+        dict(testcase_name="eps_below_float32", eps=1e-50, pattern="eps: 1e-50 is not supported"),
+        dict(testcase_name="eps_above_float32", eps=1e300, pattern="eps: 1e[+]300 is not supported"),
+        dict(testcase_name="eps_bool", eps=True, pattern="eps: must be a static Python number, "
+             "got bool"),
+        dict(testcase_name="eps_string", eps="1e-6", pattern="eps: must be a static Python "
+             "number, got str"),
     )
     def test_bad_input_raises_at_trace_time(self, pattern, x=None, w=None, cos=None, sin=None,
                                             eps=EPS):

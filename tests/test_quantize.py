@@ -99,6 +99,9 @@ class ValidationTest(parameterized.TestCase):
              pattern="x: K=30 .*multiple of 16"),
         dict(testcase_name="empty", x=jax.ShapeDtypeStruct((0, 32), jnp.bfloat16),
              pattern="x: empty arrays are not supported"),
+        # Abstract, never allocated: the kernels index rows in int32.
+        dict(testcase_name="rows_past_int32", x=jax.ShapeDtypeStruct((2**31, 16), jnp.bfloat16),
+             pattern=r"x: 2147483648 rows of K=16 are not supported"),
     )
     def test_bad_input_raises_at_trace_time(self, x, pattern):
         with self.assertRaisesRegex(ValueError, "jax_mila.quantize_activations: " + pattern):
@@ -813,6 +816,8 @@ class NormValidationTest(parameterized.TestCase):
         dict(testcase_name="eps_nan", eps=float("nan"), pattern="eps: nan is not supported"),
         dict(testcase_name="eps_array", eps=np.ones(3), pattern="eps: must be a static Python "
              "number.*ndarray"),
+        dict(testcase_name="eps_below_float32", eps=1e-50, pattern="eps: 1e-50 is not supported"),
+        dict(testcase_name="eps_bool", eps=False, pattern="eps: must be a static Python number"),
     )
     def test_bad_input_raises_at_trace_time(self, pattern, x=((4, 32), BF16), branch=None,
                                             wb=None, wn=((32,), BF16), eps=EPS):

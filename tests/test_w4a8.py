@@ -22,6 +22,10 @@ from jax_mila import ffi, quant, reference, testing
 from jax_mila.ffi import w4a8 as w4a8_module
 
 
+KERNELS = ["auto", "mma_sync", "wgmma", "wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster"]
+HOPPER_KERNELS = ("wgmma", "wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster")  # sm_90a only
+
+
 def _seed() -> int:
     return int.from_bytes(os.urandom(4), "little")
 
@@ -117,6 +121,37 @@ class W4A8ReferenceTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, r"w4a8_matmul: w: N=100 is not supported"):
             ffi.w4a8_matmul(xq, xs, w)
 
+    def test_rejects_empty_weights(self):
+        xq, xs, _ = self._good()
+        w = quant.MXFP4Weight(jnp.zeros((0, 128), jnp.uint8), jnp.zeros((0, 8), jnp.uint8),
+                              jnp.zeros((0,), jnp.uint8))
+        with self.assertRaisesRegex(ValueError, r"w4a8_matmul: w: N=0 output channels"):
+            ffi.w4a8_matmul(xq, xs, w)
+
+    def test_explicit_wgmma_kernels_need_sm90a_code_on_sm90(self):
+        # Named explicitly, a wgmma kernel must fail at trace time where it cannot run: a build
+        # without sm_90a code would hand a Hopper GPU an empty PTX-JIT kernel (output never
+        # written), and other GPUs have no wgmma. Without a GPU the reference runs instead.
+        xq, xs, w = self._good()
+        built = mock.Mock(return_value=mock.Mock(kernel=True))
+        cases = [("80-real,89-real", ((9, 0),), "needs sm_90a code, and this build has "
+                  "JAX_MILA_CUDA_ARCHS='80-real,89-real'"),
+                 ("80-real,89-real,90a", ((8, 9),), r"runs on compute capability 9.0 only; "
+                  r"this process has GPUs of \[\(8, 9\)\]"),
+                 ("80-real,89-real,90a", ((9, 0), (8, 9)), "runs on compute capability 9.0")]
+        for archs, caps, pattern in cases:
+            for kernel in HOPPER_KERNELS:
+                with self.subTest(archs=archs, caps=caps, kernel=kernel), \
+                     mock.patch.multiple(w4a8_module, status=built,
+                                         build_info=mock.Mock(return_value={"cuda_archs": archs}),
+                                         cuda_capabilities=mock.Mock(return_value=caps)), \
+                     self.assertRaisesRegex(ValueError, f"kernel: '{kernel}' {pattern}"):
+                    ffi.w4a8_matmul(xq, xs, w, kernel=kernel)
+        with mock.patch.multiple(w4a8_module, status=built,
+                                 build_info=mock.Mock(return_value={"cuda_archs": "80-real"}),
+                                 cuda_capabilities=mock.Mock(return_value=())):
+            ffi.w4a8_matmul(xq, xs, w, kernel="wgmma_ws")  # no GPU: the reference
+
     def test_rejects_bad_arguments(self):
         xq, xs, w = self._good()
         cases = [
@@ -209,8 +244,6 @@ class W4A8ReferenceTest(parameterized.TestCase):
                 self.assertEqual(w4a8_module.auto_kernel(), kernel)
 
 
-KERNELS = ["auto", "mma_sync", "wgmma", "wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster"]
-HOPPER_KERNELS = ("wgmma", "wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster")  # sm_90a only
 
 # Relative Frobenius error bound (float32 output, against the float32 reference or the float64
 # product) per kernel. mma_sync accumulates in float32: 2e-6. wgmma: Hopper's FP8 wgmma adds at
@@ -430,6 +463,50 @@ class W4A8KernelTest(parameterized.TestCase):
         if _under_compute_sanitizer():
             self.skipTest("large case: skipped under compute-sanitizer")
         self._check(8389, 2056, 384, kernel)
+
+
+class W4A8BuildWithoutSm90aTest(absltest.TestCase):
+    """GPU, a build whose architectures lack sm_90a (e.g. JAX_MILA_CUDA_ARCHS="80-real;89" or
+    "80"), on a compute capability 9.0 device; skipped on every other build. Such a build's PTX,
+    JIT-compiled for the device, gives the wgmma kernels (and, from compute_80 PTX, the mma.sync
+    kernel) an empty body: the handler itself must refuse them instead of returning an unwritten
+    output, and "auto" must run mma.sync where its code allows."""
+
+    def setUp(self):
+        super().setUp()
+        testing.skip_unless_kernel(self, "w4a8_matmul")
+        if testing.compute_capability() != (9, 0) or w4a8_module._wgmma_built():
+            self.skipTest("needs a 9.0 GPU and a build without sm_90a code")
+        # PTX the device can JIT into a working mma.sync kernel: an arch >= 89 with its PTX
+        # (not "-real", which is machine code for that arch alone).
+        archs = w4a8_module.build_info()["cuda_archs"].split(",")
+        self.fp8_ptx = any(not a.endswith("-real") and a.split("-")[0].isdigit()
+                           and int(a.split("-")[0]) >= 89 for a in archs)
+        self.xq, self.xs, self.w = _operands(97, 64, 256, _seed())
+
+    def _direct(self, variant):
+        """The custom call with `variant`, past every Python check."""
+        return testing.call_with_poisoned_outputs(
+            lambda *a: w4a8_module._kernel(jnp.float32, variant, *a),
+            self.xq, self.xs, self.w.packed, self.w.scales, self.w.channel_exp)
+
+    def test_handler_refuses_the_wgmma_variants(self):
+        for name in HOPPER_KERNELS:
+            with self.subTest(kernel=name), \
+                 self.assertRaisesRegex(Exception, "UNIMPLEMENTED.*need sm_90a code"):
+                jax.block_until_ready(self._direct(w4a8_module.KERNELS[name]))
+
+    def test_auto_and_mma_sync_run_from_compute_89_code_or_are_refused(self):
+        want = reference.w4a8_matmul(self.xq, self.xs, self.w, out_dtype=jnp.float32)
+        for name in ("auto", "mma_sync"):
+            with self.subTest(kernel=name):
+                if self.fp8_ptx:
+                    got = self._direct(w4a8_module.KERNELS[name])
+                    self.assertLess(testing.rel_fro_err(got, want), F32_TOL["mma_sync"])
+                else:
+                    with self.assertRaisesRegex(
+                            Exception, "UNIMPLEMENTED.*(compute_89|no code for this device)"):
+                        jax.block_until_ready(self._direct(w4a8_module.KERNELS[name]))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 // in one place.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "common/attention_params.h"
@@ -12,6 +13,9 @@ namespace mila {
 
 constexpr const char* kAttentionOp = "flash_attention";
 constexpr int kMaxGroups = 16;  // query heads per KV head
+// CUDA grid limits: B and Hkv are grid y/z dimensions of some kernels.
+constexpr int64_t kMaxBatch = 65535;
+constexpr int64_t kMaxKvHeads = 65535;
 
 // Fills `p` from the FFI buffers of a call with head dim `d`, or returns the error.
 inline ffi::Error DecodeAttention(int d, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
@@ -34,15 +38,17 @@ inline ffi::Error DecodeAttention(int d, ffi::Buffer<ffi::BF16> q, ffi::Buffer<f
     return InvalidArgument(kAttentionOp, "batch: q has ", qd[0], ", k has ", kd[0]);
   }
   const int64_t hq = qd[2], hkv = kd[2];
-  if (hkv <= 0 || hq % hkv != 0 || hq / hkv > kMaxGroups) {
+  if (hq <= 0 || hkv <= 0 || hq % hkv != 0 || hq / hkv > kMaxGroups) {
     return InvalidArgument(kAttentionOp, "heads: Hq=", hq, " must be a multiple of Hkv=", hkv,
                            " with at most ", kMaxGroups, " query heads per KV head");
   }
   if (qd[0] == 0 || qd[1] == 0 || kd[1] == 0) {
     return InvalidArgument(kAttentionOp, "empty q ", ShapeString(qd), " or k ", ShapeString(kd));
   }
-  if (qd[1] > INT32_MAX || kd[1] > INT32_MAX || qd[0] > 65535) {
-    return InvalidArgument(kAttentionOp, "sizes out of range: q ", ShapeString(qd), " k ", ShapeString(kd));
+  if (qd[1] > INT32_MAX || kd[1] > INT32_MAX || qd[0] > kMaxBatch || hkv > kMaxKvHeads) {
+    return InvalidArgument(kAttentionOp, "sizes out of range: q ", ShapeString(qd), " k ",
+                           ShapeString(kd), " (supported: T and S up to 2^31-1, B up to ",
+                           kMaxBatch, ", Hkv up to ", kMaxKvHeads, ")");
   }
   // The kernels index the packed rows (position x query head of one KV head) in int32.
   if (qd[1] * (hq / hkv) > INT32_MAX) {
@@ -62,8 +68,15 @@ inline ffi::Error DecodeAttention(int d, ffi::Buffer<ffi::BF16> q, ffi::Buffer<f
                            "512) a vector of N segment starts with N dividing S=", kd[1],
                            "; got ", ShapeString(kv_offset.dimensions()), " at head dim ", d);
   }
-  if (window < 0 || window > INT32_MAX || (window > 0 && !causal)) {
-    return InvalidArgument(kAttentionOp, "window=", window, " must be >= 0 and needs causal=True");
+  if (window < 0 || window > INT32_MAX) {
+    return InvalidArgument(kAttentionOp, "window=", window, " is out of range (supported: 0 for "
+                           "none, or 1 to 2^31-1)");
+  }
+  if (window > 0 && !causal) {
+    return InvalidArgument(kAttentionOp, "window=", window, ": a sliding window needs causal=True");
+  }
+  if (!std::isfinite(scale)) {
+    return InvalidArgument(kAttentionOp, "scale=", scale, " must be finite");
   }
   if (!SameDims(o->dimensions(), qd)) {
     return InvalidArgument(kAttentionOp, "o: result shape ", ShapeString(o->dimensions()),
@@ -110,8 +123,22 @@ inline ffi::Error DecodeAttention(int d, ffi::Buffer<ffi::BF16> q, ffi::Buffer<f
       .Attr<bool>("causal")                                        \
       .Attr<int64_t>("window")
 
-// Defines the handler symbol `Name` for head dim `D`, launching `Launch(params, stream)`.
-#define MILA_DEFINE_ATTENTION_HANDLER(Name, D, Launch)                                        \
+// A target's own limits beyond DecodeAttention's (its grid, its tile shapes).
+inline ffi::Error NoTargetLimits(const AttentionParams&) { return ffi::Error::Success(); }
+
+// The Hopper kernels pack the G = Hq / Hkv query heads of a KV head into 64-row tiles.
+inline ffi::Error HopperPackingLimits(const AttentionParams& p) {
+  const int g = p.hq / p.hkv;
+  if (64 % g != 0) {
+    return InvalidArgument(kAttentionOp, "heads: Hq / Hkv = ", g, " query heads per KV head; "
+                           "the Hopper kernels need a divisor of 64 (1, 2, 4, 8 or 16)");
+  }
+  return ffi::Error::Success();
+}
+
+// Defines the handler symbol `Name` for head dim `D`, launching `Launch(params, stream)` once
+// DecodeAttention and `Limits(params)` accept the call.
+#define MILA_DEFINE_ATTENTION_HANDLER(Name, D, Launch, Limits)                                \
   static xla::ffi::Error Name##Impl(                                                          \
       cudaStream_t stream, xla::ffi::Buffer<xla::ffi::BF16> q,                                \
       xla::ffi::Buffer<xla::ffi::BF16> k, xla::ffi::Buffer<xla::ffi::BF16> v,                 \
@@ -125,6 +152,7 @@ inline ffi::Error DecodeAttention(int d, ffi::Buffer<ffi::BF16> q, ffi::Buffer<f
         err.failure()) {                                                                      \
       return err;                                                                             \
     }                                                                                         \
+    if (auto err = Limits(p); err.failure()) return err;                                      \
     return mila::CheckLaunch(mila::kAttentionOp, Launch(p, stream));                          \
   }                                                                                           \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(Name, Name##Impl, MILA_ATTENTION_BINDING(),                   \

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <type_traits>
 
@@ -16,13 +17,43 @@ namespace ffi = xla::ffi;
 
 // Message building without iostreams: inside an FFI handler the C++ runtime's locale
 // may not be initialised for our module (an ostringstream << long segfaulted there), so
-// messages are assembled from std::string and std::to_string only.
+// messages are assembled from std::string, std::to_string and snprintf only.
 inline void AppendPart(std::string& s, const std::string& v) { s += v; }
 inline void AppendPart(std::string& s, const char* v) { s += v; }
 template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T>>>
 inline void AppendPart(std::string& s, T v) {
-  if constexpr (std::is_same_v<T, bool>) s += v ? "true" : "false";
-  else s += std::to_string(v);
+  if constexpr (std::is_same_v<T, bool>) {
+    s += v ? "true" : "false";
+  } else if constexpr (std::is_floating_point_v<T>) {
+    // %g, not std::to_string's %f: an eps of 1e-7 reads "1e-07", not "0.000000".
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(v));
+    s += buf;
+  } else {
+    s += std::to_string(v);
+  }
+}
+
+// The NumPy name of an FFI dtype, for messages ("float8_e4m3fn", not an enum number).
+inline std::string DTypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::PRED: return "bool";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::S16: return "int16";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::U16: return "uint16";
+    case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::U64: return "uint64";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F8E5M2: return "float8_e5m2";
+    case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
+    default: return "FFI dtype " + std::to_string(static_cast<int>(t));
+  }
 }
 
 template <typename... Parts>

@@ -3,4 +3,5 @@
 #include "common/attention_ffi.h"
 #include "flash256_sm90/flash256_sm90.h"
 
-MILA_DEFINE_ATTENTION_HANDLER(MilaFlashAttentionD256Sm90, 256, mila::LaunchFlashAttentionD256Sm90);
+MILA_DEFINE_ATTENTION_HANDLER(MilaFlashAttentionD256Sm90, 256, mila::LaunchFlashAttentionD256Sm90,
+                              mila::HopperPackingLimits);

@@ -4,6 +4,8 @@
 #include "common/attention_ffi.h"
 #include "flash512_sm90/flash512_sm90.h"
 
-MILA_DEFINE_ATTENTION_HANDLER(MilaFlashAttentionD512Sm90, 512, mila::LaunchFlashAttentionD512Sm90);
+MILA_DEFINE_ATTENTION_HANDLER(MilaFlashAttentionD512Sm90, 512, mila::LaunchFlashAttentionD512Sm90,
+                              mila::HopperPackingLimits);
 MILA_DEFINE_ATTENTION_HANDLER(MilaFlashAttentionD512Sm90RotaryKeys, 512,
-                              mila::LaunchFlashAttentionD512Sm90RotaryKeys);
+                              mila::LaunchFlashAttentionD512Sm90RotaryKeys,
+                              mila::HopperPackingLimits);

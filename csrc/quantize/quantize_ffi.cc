@@ -29,8 +29,9 @@ ffi::Error RowsOf(const char* op, const char* arg, const Dims& dims, int64_t ele
     return InvalidArgument(op, arg, ": K=", cols, " (last dim of ", ShapeString(dims),
                            ") must be a multiple of ", kQuantColsMultiple);
   }
-  if (rows > INT32_MAX) {
-    return InvalidArgument(op, arg, ": ", rows, " rows exceed the supported 2^31-1");
+  if (rows > INT32_MAX || cols > INT32_MAX) {
+    return InvalidArgument(op, arg, ": ", rows, " rows of K=", cols,
+                           " are not supported (at most 2^31-1 of each)");
   }
   return ffi::Error::Success();
 }

@@ -7,6 +7,7 @@
 //     smallest normal; the quantizer guarantees d >= -11 for every nonzero block;
 //   * the epilogue multiplies by 2^(channel_exp - 133) (exact) and x_scale[m], rounds to bf16
 //     once.
+#include <atomic>
 #include <cmath>
 #include <cstdlib>  // getenv (HopperAutoVariant)
 #include <cstring>  // strcmp (HopperAutoVariant)
@@ -456,17 +457,58 @@ W4A8Variant HopperAutoVariant() {
   return v;
 }
 
+#ifdef MILA_BUILD_HAS_SM90A
+constexpr bool kBuildHasSm90a = true;
+#else
+constexpr bool kBuildHasSm90a = false;
+#endif
+
+// kAuto resolved: Hopper runs FP8 mma.sync at the fp16 rate; its native FP8 path is wgmma,
+// fastest in the warp-specialized kernel on 2-CTA clusters (docs/performance.md), where the
+// build has its sm_90a code.
+W4A8Variant Resolve(W4A8Variant variant, int cc) {
+  if (variant != W4A8Variant::kAuto) return variant;
+  return cc == 90 && kBuildHasSm90a ? HopperAutoVariant() : W4A8Variant::kMmaSync;
+}
+
 }  // namespace
+
+const char* W4A8CodeProblem(W4A8Variant variant, int cc, int* compiled_for) {
+  *compiled_for = 0;
+  variant = Resolve(variant, cc);
+  if (variant != W4A8Variant::kMmaSync) {
+    if (!kBuildHasSm90a) return "the wgmma kernels need sm_90a code, which this build lacks";
+    return cc == 90 ? nullptr : "the wgmma kernels run on compute capability 9.0 only";
+  }
+  // Asked once per device (the answer depends on the build and the GPU); -1: no code for it.
+  static std::atomic<int> ptx_version[64] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) {
+    cudaGetLastError();
+    return "cannot tell which device runs the call";
+  }
+  int version = ptx_version[device].load(std::memory_order_relaxed);
+  if (version == 0) {
+    cudaFuncAttributes attr{};
+    if (cudaFuncGetAttributes(&attr, mma::w4a8_mma_kernel<float>) == cudaSuccess) {
+      version = attr.ptxVersion;
+    } else {
+      cudaGetLastError();  // not sticky: keep it out of the handler's launch check
+      version = -1;
+    }
+    ptx_version[device].store(version, std::memory_order_relaxed);
+  }
+  if (version < 0) return "this build has no code for this device";
+  *compiled_for = version;
+  return version >= kW4A8MinComputeCapability
+             ? nullptr
+             : "FP8 mma.sync needs code compiled for compute_89 or newer";
+}
 
 cudaError_t LaunchW4A8Matmul(const W4A8Args& args, W4A8Variant variant, int cc,
                              cudaStream_t stream) {
   if (cc < kW4A8MinComputeCapability) return cudaErrorNoKernelImageForDevice;
-  if (variant == W4A8Variant::kAuto) {
-    // Hopper runs FP8 mma.sync at the fp16 rate; its native FP8 path is wgmma, fastest in the
-    // warp-specialized kernel on 2-CTA clusters (docs/performance.md). (The Python wrapper
-    // sends kAuto only for builds that hold the sm_90a code.)
-    variant = cc == 90 ? HopperAutoVariant() : W4A8Variant::kMmaSync;
-  }
+  variant = Resolve(variant, cc);
   if (variant == W4A8Variant::kWgmmaWs || variant == W4A8Variant::kWgmmaWsDp ||
       variant == W4A8Variant::kWgmmaWsCluster) {
     if (cc != 90) return cudaErrorNoKernelImageForDevice;

@@ -19,9 +19,8 @@ ffi::Error W4A8MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x,
                           ffi::Result<ffi::AnyBuffer> workspace, int64_t variant) {
   // x is an AnyBuffer (this FFI header has no native type for F8E4M3FN arguments).
   if (x.element_type() != ffi::DataType::F8E4M3FN) {
-    return InvalidArgument(kOp, "x_fp8: dtype must be float8_e4m3fn (FFI dtype ",
-                           static_cast<int>(ffi::DataType::F8E4M3FN), "), got FFI dtype ",
-                           static_cast<int>(x.element_type()));
+    return InvalidArgument(kOp, "x_fp8: dtype must be float8_e4m3fn, got ",
+                           DTypeName(x.element_type()));
   }
   const auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions();
   if (xd.size() != 2) {
@@ -34,13 +33,13 @@ ffi::Error W4A8MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x,
                            ShapeString(pd));
   }
   const int64_t n = pd[0];
-  if (k % kW4A8KMultiple != 0) {
-    return InvalidArgument(kOp, "K=", k, " is not supported: K must be a multiple of ",
-                           kW4A8KMultiple);
+  if (k % kW4A8KMultiple != 0 || k > INT32_MAX) {
+    return InvalidArgument(kOp, "x_fp8, w: K=", k, " is not supported: K must be a multiple of ",
+                           kW4A8KMultiple, " up to 2^31-1");
   }
-  if (n < 1 || n % kW4A8NMultiple != 0 || n > INT32_MAX || k > INT32_MAX) {
-    return InvalidArgument(kOp, "N=", n, " is not supported: N must be a positive multiple of ",
-                           kW4A8NMultiple);
+  if (n < 1 || n % kW4A8NMultiple != 0 || n > INT32_MAX) {
+    return InvalidArgument(kOp, "w: N=", n, " is not supported: N must be a positive multiple of ",
+                           kW4A8NMultiple, " up to 2^31-1");
   }
   if (sd.size() != 2 || sd[0] != n || sd[1] != k / 32) {
     return InvalidArgument(kOp, "w.scales: expected [N, K/32] = [", n, ", ", k / 32, "], got ",
@@ -56,8 +55,8 @@ ffi::Error W4A8MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x,
   }
   const bool out_f32 = out->element_type() == ffi::DataType::F32;
   if (!out_f32 && out->element_type() != ffi::DataType::BF16) {
-    return InvalidArgument(kOp, "out: dtype must be bfloat16 or float32, got FFI dtype ",
-                           static_cast<int>(out->element_type()));
+    return InvalidArgument(kOp, "out: dtype must be bfloat16 or float32, got ",
+                           DTypeName(out->element_type()));
   }
   const auto od = out->dimensions();
   if (od.size() != 2 || od[0] != m || od[1] != n) {
@@ -78,8 +77,8 @@ ffi::Error W4A8MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x,
                            "without stream-K, 5 the same on 2-CTA clusters)");
   }
   if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1) {
-    return InvalidArgument(kOp, "workspace: expected a uint8 vector, got FFI dtype ",
-                           static_cast<int>(workspace->element_type()), " shape ",
+    return InvalidArgument(kOp, "workspace: expected a uint8 vector, got ",
+                           DTypeName(workspace->element_type()), " of shape ",
                            ShapeString(workspace->dimensions()));
   }
   if (reinterpret_cast<uintptr_t>(workspace->untyped_data()) % 16 != 0) {
@@ -93,6 +92,14 @@ ffi::Error W4A8MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x,
   if (variant >= static_cast<int64_t>(W4A8Variant::kWgmma) && cc != 90) {
     return Unimplemented(kOp, "the wgmma kernel needs compute capability 9.0, this device is ",
                          cc / 10, ".", cc % 10);
+  }
+  int compiled_for = 0;
+  if (const char* why = W4A8CodeProblem(static_cast<W4A8Variant>(variant), cc, &compiled_for)) {
+    return Unimplemented(kOp, "variant=", variant, ": ", why, " (device ", cc / 10, ".", cc % 10,
+                         compiled_for > 0 ? Concat(", its code compiled for compute_",
+                                                   compiled_for) : std::string(),
+                         "); rebuild with JAX_MILA_CUDA_ARCHS covering it (default "
+                         "80-real;89-real;90a)");
   }
   W4A8Args args;
   args.x = reinterpret_cast<const uint8_t*>(x.untyped_data());

@@ -65,11 +65,18 @@ enum class W4A8Variant : int {
 };
 
 // Requires k % 128 == 0, n % 8 == 0, 16-byte aligned pointers for x, packed and out, and
-// compute capability >= 8.9 (`cc`, 10 * major + minor); kWgmma (and kAuto on cc 90) requires
-// cc == 90 and a build for sm_90a (a Hopper image without it traps). Kernels compiled for older
-// archs are empty and never launched.
+// compute capability >= 8.9 (`cc`, 10 * major + minor); the wgmma variants require cc == 90 and
+// a build for sm_90a (kAuto picks them only then). Kernels compiled for older archs are empty:
+// W4A8CodeProblem says when the build would launch one.
 cudaError_t LaunchW4A8Matmul(const W4A8Args& args, W4A8Variant variant, int cc,
                              cudaStream_t stream);
+
+// Why this build cannot run `variant` on a device of compute capability `cc`, or nullptr. The
+// mma.sync kernel needs code compiled for compute_89 or newer, the wgmma kernels sm_90a code: a
+// build whose architectures lack them would give such a device an empty kernel (its PTX of an
+// older arch, JIT-compiled) that returns without writing the output. `compiled_for` receives the
+// PTX version (10 * major + minor) of the mma.sync code the device loads, 0 if it has none.
+const char* W4A8CodeProblem(W4A8Variant variant, int cc, int* compiled_for);
 
 // The kWgmmaWs kernel (w4a8_sm90_ws.cu); LaunchW4A8Matmul's checks apply, and cc must be 90.
 // stream_k: split the last wave's tiles along K over all SMs (needs args.workspace); cluster:

@@ -10,6 +10,10 @@ its position is not after the query's; a window W (requires causal) also asks
 q_pos - k_pos < W. Rows with no visible key return zeros (lse -inf).
 With rotary_keys_only=r the scores read k only in the columns RoPE rotates ([0:r] and
 [D/2 : D/2 + r]) and v in all others (Gemma 4's K=V layers: reference.keys_except_rotary).
+Limits, checked at trace time and again in the handlers: B and Hkv up to 65535 (grid
+dimensions; a vmap that would fold more into B runs one call per element instead), scale
+finite in float32, offsets and window within int32, and for the mma.sync D=256 kernel T up
+to 4,194,240 queries.
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ D512_SM90_TARGET = "jax_mila_flash_attention_d512_sm90"
 D512_SM90_ROTARY_KEYS_TARGET = "jax_mila_flash_attention_d512_sm90_rotary_keys"
 D512_SM90_ROTARY_PAIRS = 64
 D256_SM90_TARGET = "jax_mila_flash_attention_d256_sm90"
+# CUDA grid limits: B and Hkv are grid y/z dimensions of some kernels; the mma.sync D=256
+# kernel puts its blocks of 64 (sm_86/sm_89) or 128 query rows in grid y.
+MAX_BATCH = 65535
+MAX_KV_HEADS = 65535
+D256_MAX_QUERIES = 65535 * 64
 _SM90 = {512: (D512_SM90_TARGET, "JAX_MILA_FLASH512_SM90"),
          256: (D256_SM90_TARGET, "JAX_MILA_FLASH256_SM90")}
 
@@ -86,17 +95,23 @@ def _validate(q, k, v, scale, causal, window, q_offset, kv_offset, rotary_keys_o
     if k.shape[0] != q.shape[0]:
         _checks.fail(OP, "k", f"batch {k.shape[0]} must equal q's {q.shape[0]}")
     hq, hkv = q.shape[2], k.shape[2]
+    if q.shape[0] > MAX_BATCH:
+        _checks.fail(OP, "q", f"batch {q.shape[0]} is not supported (at most {MAX_BATCH})")
+    if hkv > MAX_KV_HEADS:
+        _checks.fail(OP, "k", f"Hkv={hkv} KV heads are not supported (at most {MAX_KV_HEADS})")
     if hq % hkv or hq // hkv > MAX_GROUPS:
         _checks.fail(OP, "k", f"Hq={hq} query heads over Hkv={hkv} KV heads is not supported "
                               f"(Hq must be a multiple of Hkv, at most {MAX_GROUPS} per KV head)")
     if q.shape[1] * (hq // hkv) > np.iinfo(np.int32).max:
         _checks.fail(OP, "q", f"T * Hq / Hkv = {q.shape[1] * (hq // hkv)} packed rows per KV head "
                               f"exceed the kernels' int32 row index; got q{list(q.shape)}")
-    if scale is not None and not np.isfinite(scale):
-        _checks.fail(OP, "scale", f"must be a finite Python float, got {scale!r}")
+    if scale is not None and (isinstance(scale, (bool, str, bytes)) or not _is_real(scale)
+                              or not _checks.finite_in_float32(float(scale))):
+        _checks.fail(OP, "scale", f"must be None or a number that float32 holds (the kernels' "
+                                  f"type, finite), got {scale!r}")
     if window is not None:
-        if not _checks.is_int(window) or window < 1:
-            _checks.fail(OP, "window", f"must be None or an int >= 1, got {window!r}")
+        if not _checks.is_int(window) or not 1 <= window <= np.iinfo(np.int32).max:
+            _checks.fail(OP, "window", f"must be None or an int in [1, 2^31 - 1], got {window!r}")
         if not causal:
             _checks.fail(OP, "window", "a sliding window needs causal=True")
     for name, off in (("q_offset", q_offset), ("kv_offset", kv_offset)):
@@ -104,6 +119,14 @@ def _validate(q, k, v, scale, causal, window, q_offset, kv_offset, rotary_keys_o
         dtype = np.result_type(off) if not hasattr(off, "dtype") else np.dtype(off.dtype)
         if not np.issubdtype(dtype, np.integer) or (name == "q_offset" and shape != ()):
             _checks.fail(OP, name, f"must be an integer scalar, got {dtype} of shape {shape}")
+        # The kernels take int32 positions: a concrete value must fit (jnp.asarray(..., int32)
+        # would wrap it); a traced one is converted as it is.
+        try:
+            values = np.asarray(off)
+        except jax.errors.TracerArrayConversionError:
+            continue
+        for value in values.reshape(-1):
+            _checks.int32_value(OP, name, value)
     segments = np.shape(kv_offset)  # () or (N,): N segment starts
     if segments != () and (len(segments) != 1 or segments[0] < 1 or k.shape[1] % segments[0]):
         _checks.fail(OP, "kv_offset", f"must be an integer scalar or a vector of N segment "
@@ -118,9 +141,20 @@ def _validate(q, k, v, scale, causal, window, q_offset, kv_offset, rotary_keys_o
                                              f"(rotated pairs of the half-split RoPE), got {r!r}")
 
 
+def _is_real(x) -> bool:
+    try:
+        float(x)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def _make_call(target, scale, causal, window, rotary_keys_only=None):
     def kernel(q, k, v, q_offset, kv_offset):
         b, t, hq, _ = q.shape
+        if target == "jax_mila_flash_attention_d256" and t > D256_MAX_QUERIES:
+            _checks.fail(OP, "q", f"T={t} queries are more than the mma.sync D=256 kernel takes "
+                                  f"(at most {D256_MAX_QUERIES}); got q{list(q.shape)}")
         out_types = (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
                      jax.ShapeDtypeStruct((b, hq, t), jnp.float32))
         call = jax.ffi.ffi_call(target, out_types, vmap_method="sequential")
@@ -148,8 +182,10 @@ def _make_call(target, scale, causal, window, rotary_keys_only=None):
 
     @call.def_vmap
     def _batched(axis_size, in_batched, q, k, v, q_offset, kv_offset):
-        # A vmapped axis over q/k/v with shared offsets is more batch: fold it into B.
-        if in_batched[3] or in_batched[4]:
+        # A vmapped axis over q/k/v with shared offsets is more batch: fold it into B, unless
+        # the folded batch would pass the kernels' limit (then one call per mapped element).
+        batch = q.shape[1] if in_batched[0] else q.shape[0]  # mapped axes come first
+        if in_batched[3] or in_batched[4] or axis_size * batch > MAX_BATCH:
             out = jax.lax.map(lambda a: call(*a), tuple(
                 x if bat else jnp.broadcast_to(x, (axis_size,) + x.shape)
                 for x, bat in zip((q, k, v, q_offset, kv_offset), in_batched)))

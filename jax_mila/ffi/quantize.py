@@ -29,6 +29,7 @@ NORM_TARGET = "jax_mila_add_rms_norm_quantize"
 NORM_ONLY_TARGET = "jax_mila_rms_norm_quantize"
 # The kernels move rows in 16-byte vectors.
 K_MULTIPLE = 16
+MAX_ROWS = 2**31 - 1  # rows and row length: int32 in the kernels
 
 
 def _validate_rows(op: str, arg: str, x) -> None:
@@ -38,6 +39,10 @@ def _validate_rows(op: str, arg: str, x) -> None:
     if x.shape[-1] % K_MULTIPLE:
         _checks.fail(op, arg, f"K={x.shape[-1]} (last dim of {list(x.shape)}) must be a "
                               f"multiple of {K_MULTIPLE}")
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    if rows > MAX_ROWS or x.shape[-1] > MAX_ROWS:
+        _checks.fail(op, arg, f"{rows} rows of K={x.shape[-1]} are not supported (the kernels "
+                              f"take at most {MAX_ROWS} of each); got {arg}{list(x.shape)}")
 
 
 def _out_types(shape):

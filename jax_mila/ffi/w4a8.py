@@ -36,6 +36,9 @@ Where it runs: the CUDA kernel needs FP8 mma (compute capability >= 8.9). On sm_
 wrapper routes to the pure-JAX reference (jax_mila.reference.w4a8_matmul), as it does on CPU,
 when the kernel is not built, or with JAX_MILA_DISABLE=w4a8_matmul. (The handler itself returns
 an Unimplemented error below sm_89, so a mis-routed call fails loudly rather than silently.)
+A wgmma kernel named explicitly raises ValueError at trace time where it cannot run (a build
+without sm_90a code, a GPU other than 9.0); the handler refuses it too, and refuses mma_sync
+when the device would run it from PTX older than compute_89 (both would be empty kernels).
 
 Numerics: every weight code becomes an exact e4m3 value (see jax_mila/quant/mxfp4.py), products
 accumulate in float32 (mma_sync; wgmma: see above), and x_scale[m] * 2**(channel_exp[n] - 133)
@@ -64,7 +67,7 @@ import numpy as np
 
 from jax_mila import reference
 from jax_mila.ffi import _checks
-from jax_mila.ffi._registry import build_info, cuda_capabilities, dispatch
+from jax_mila.ffi._registry import build_info, cuda_capabilities, dispatch, status
 from jax_mila.quant.mxfp4 import MXFP4Weight
 
 OP = "w4a8_matmul"
@@ -105,6 +108,28 @@ def auto_kernel() -> str:
     return _hopper_auto_kernel() if AUTO_WGMMA_ON_SM90 and hopper and _wgmma_built() else "mma_sync"
 
 
+# Kernels that run only sm_90a code on compute capability 9.0 (the handler refuses them
+# elsewhere; a build without 90a holds no code that runs them).
+_WGMMA_KERNELS = ("wgmma", "wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster")
+
+
+def _check_kernel_runs(kernel: str) -> None:
+    """Fails when an explicitly named wgmma kernel cannot run in this process: the build lacks
+    sm_90a code or a GPU is not compute capability 9.0. (Without a GPU, or with the kernel not
+    built, every call runs the reference and ``kernel`` is not used.)"""
+    caps = cuda_capabilities()
+    if kernel not in _WGMMA_KERNELS or not caps or not status(OP).kernel:
+        return
+    if not _wgmma_built():
+        _checks.fail(OP, "kernel", f"{kernel!r} needs sm_90a code, and this build has "
+                                   f"JAX_MILA_CUDA_ARCHS={build_info().get('cuda_archs', '')!r} "
+                                   "(rebuild with 90a, or pass kernel='auto' or 'mma_sync')")
+    if any(cc != (9, 0) for cc in caps):
+        _checks.fail(OP, "kernel", f"{kernel!r} runs on compute capability 9.0 only; this "
+                                   f"process has GPUs of {sorted(set(caps))} (pass kernel='auto' "
+                                   "or 'mma_sync')")
+
+
 def _variant(kernel: str) -> int:
     # "auto" reaches the handler as "auto" (it picks wgmma_ws_cluster on a 9.0 device) only when
     # the build has the sm_90a wgmma code: without it a 9.0 device would run a PTX-JIT kernel
@@ -128,6 +153,8 @@ def _validate(x, x_scale, w, out_dtype, kernel) -> None:
     _checks.check_dtype(OP, "x_scale", x_scale, [jnp.float32])
     _checks.check_nonempty(OP, "x_fp8", x)
     n, k = w.shape
+    if n < 1:
+        _checks.fail(OP, "w", f"N={n} output channels: empty weights are not supported")
     if x.shape[-1] != k:
         _checks.fail(OP, "x_fp8", f"K={x.shape[-1]} (last dim of {list(x.shape)}) must equal the "
                                   f"weight's K={k}")
@@ -142,6 +169,7 @@ def _validate(x, x_scale, w, out_dtype, kernel) -> None:
     if np.dtype(out_dtype) not in [np.dtype(d) for d in OUT_DTYPES]:
         _checks.fail(OP, "out_dtype", f"{np.dtype(out_dtype).name} is not supported "
                                       "(supported: bfloat16, float32)")
+    _check_kernel_runs(kernel)
 
 
 def _workspace_bytes(variant: int) -> int:
