@@ -7,6 +7,20 @@ Subpackages: ``jax_mila.ffi`` (the custom calls), ``jax_mila.reference`` (pure-J
 
 __version__ = "0.1.0"
 
+# The subpackages load on first use (``jax_mila.ffi.available()`` after ``import jax_mila``):
+# importing them imports jax (~1.5 s), which ``python -m jax_mila --help`` and the CLI's
+# argument errors do without. The CUDA extension stays lazier still: jax_mila.ffi loads it
+# only when an op or ``available()`` first needs it.
+_SUBPACKAGES = ("ffi", "gemma4", "nn", "quant", "reference")
+
+
+def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"jax_mila.{name}")  # also binds it as an attribute
+    raise AttributeError(f"module 'jax_mila' has no attribute {name!r}")
+
 
 def selftest(verbose: bool = True):
     """Runs each op once on the default device against its reference; see jax_mila.selftest."""

@@ -3,7 +3,7 @@
     python -m jax_mila generate [--model PATH] [--prompt TEXT | --prompt-ids 2,17,5 | --length N]
                                 [--new-tokens 32] [--dtype bfloat16] [--backend auto]
                                 [--chunk-size N]
-    python -m jax_mila prefill  [same options]
+    python -m jax_mila prefill  [the same options but --new-tokens]
     python -m jax_mila selftest
     python -m jax_mila bench prefill [--seqs 8192 --backends mila,reference ...]
     python -m jax_mila bench attention|gemm|quantize [args]   (source checkout only)
@@ -27,16 +27,34 @@ first token and the peak device memory (allocator statistics; not reported on CP
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
+
+log = logging.getLogger("jax_mila")
+
+PROG = "python -m jax_mila"
+
+
+def _token_ids(text: str) -> list[int]:
+    """--prompt-ids' value: comma- or space-separated integers, at least one (argparse names the
+    flag in the error; the vocabulary is checked once the model is loaded)."""
+    parts = text.replace(",", " ").split()
+    if not parts:
+        raise argparse.ArgumentTypeError("no token ids given (expected e.g. 2,17,5)")
+    try:
+        return [int(t) for t in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma- or space-separated integer ids, got {text!r}") from None
 
 
 def _prompt_ids(args, vocab_size: int):
     import numpy as np
 
-    if args.prompt_ids:
-        ids = [int(t) for t in args.prompt_ids.replace(",", " ").split()]
+    if args.prompt_ids is not None:
+        ids = args.prompt_ids
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             sys.exit(f"--prompt-ids: {bad} outside the vocabulary [0, {vocab_size})")
@@ -69,25 +87,29 @@ def _timed(fn, *args, **kwargs):
     return out, time.perf_counter() - start
 
 
-def _run(args) -> None:
+def _run(args, parser) -> None:
     import jax
     import jax.numpy as jnp
 
     from jax_mila import gemma4
 
-    args.model = os.fspath(args.model or gemma4.embedded_checkpoint())
-    quantize = _quantize_arg(args.quantize)
-    if args.quantize is None and os.path.isdir(args.model) and _stored_format(args.model) is not None:
+    args.model = _model_dir(parser, os.fspath(args.model or gemma4.embedded_checkpoint()))
+    quantize, stored = _quantize_arg(args.quantize), _stored_format(args.model)
+    if stored is not None and args.quantize is None:
         quantize = "w4a8"  # a converted checkpoint exists only in MXFP4
+    elif stored is not None and quantize != "w4a8":  # from_pretrained's hint speaks Python
+        _fail(parser, f"--model {args.model}: the checkpoint holds MXFP4 weights (written by "
+                      f"convert); load it with --quantize w4a8 (got --quantize {args.quantize})")
     try:
         model = gemma4.from_pretrained(args.model, dtype=jnp.dtype(args.dtype),
                                        backend=args.backend, quantize=quantize)
-    except gemma4.loader.CheckpointError as e:
-        sys.exit(f"--model {args.model}: {e}")
+    except (gemma4.loader.CheckpointError, ValueError, OSError) as e:
+        _fail(parser, f"--model {args.model}: {_without_path(e, args.model)}")
     cfg = model.config
     ids, tokenizer = _prompt_ids(args, cfg.vocab_size)
     batch, length = ids.shape
     new = args.new_tokens if args.command == "generate" else 0
+    _warn_past_max_positions(cfg, length, new)
     print(f"model {args.model} ({cfg.model_type}, {cfg.num_hidden_layers} layers, hidden "
           f"{cfg.hidden_size}), {args.dtype}, backend {args.backend}, weights "
           f"{quantize or 'dense'}, device {jax.devices()[0]}")
@@ -121,7 +143,33 @@ def _run(args) -> None:
     out = tokens[0].tolist()
     print(f"generated ids: {out}")
     if tokenizer is not None:
-        print(f"generated text: {tokenizer.decode(out)!r}")
+        print(_generated_text(tokenizer, out))
+
+
+def _generated_text(tokenizer, ids: list[int]) -> str:
+    """The decoded text, and the ids the tokenizer has no token for: it drops them silently,
+    and a tokenizer smaller than the model's vocabulary (the embedded checkpoint's: 674 of
+    2048) would otherwise print '' for a random model's output."""
+    text = f"generated text: {tokenizer.decode(ids)!r}"
+    unknown = sorted({t for t in ids if tokenizer.id_to_token(t) is None})
+    if unknown:
+        text += (f" (ids {unknown} not shown: the tokenizer ({tokenizer.get_vocab_size()} "
+                 "tokens) has no token for them)")
+    return text
+
+
+def _warn_past_max_positions(cfg, length: int, new: int) -> None:
+    """A warning, not an error, when the prompt and the new tokens pass the config's
+    max_position_embeddings: RoPE runs past it (long context beyond the config's value is a
+    legitimate use; transformers only warns too), but the model may not be trained that far."""
+    total = length + new
+    if total <= cfg.max_position_embeddings:
+        return
+    positions = (f"the prompt ({length} tokens) + --new-tokens {new} = {total} positions" if new
+                 else f"the prompt's {length} positions")
+    log.warning("%s: warning: %s pass the model's max_position_embeddings (%d, its config.json); "
+                "running anyway, but the model may not have been trained that far",
+                PROG, positions, cfg.max_position_embeddings)
 
 
 def _chunking(model, batch, length, cap, args) -> str:
@@ -162,6 +210,22 @@ def _quantize_arg(value):
     return None if value in (None, "none") else value
 
 
+def _model_dir(parser, path: str) -> str:
+    """``path`` when it is a directory, else the same error from every subcommand."""
+    if not os.path.exists(path):
+        _fail(parser, f"--model {path}: does not exist (expected a checkpoint directory)")
+    if not os.path.isdir(path):
+        _fail(parser, f"--model {path}: not a directory (expected a checkpoint directory, "
+                      "holding config.json)")
+    return path
+
+
+def _without_path(error, path: str) -> str:
+    """The message of a loader error, without the checkpoint path it starts with (the CLI
+    names the path after --model already)."""
+    return str(error).removeprefix(f"{path}: ")
+
+
 def _stored_format(path):
     from jax_mila.gemma4 import mxfp4_names
 
@@ -175,8 +239,7 @@ def _convert(args, parser) -> None:
     from jax_mila.gemma4.convert import convert
     from jax_mila.gemma4.loader import CheckpointError
 
-    if not os.path.isdir(args.model):
-        _fail(parser, f"--model {args.model}: not a directory")
+    _model_dir(parser, args.model)
     try:
         summary = convert(args.model, args.out, quantize=_quantize_arg(args.quantize),
                           progress=not args.quiet)
@@ -205,7 +268,7 @@ def _bench(args, parser) -> None:
     if args.which == "prefill":
         from jax_mila.bench import prefill
 
-        prefill.main(args.bench_args)
+        prefill.main(args.bench_args, prog=f"{PROG} bench prefill")
         return
     repo = os.path.dirname(os.path.dirname(os.path.abspath(jax_mila.__file__)))
     script = os.path.join(repo, "benchmarks", f"{args.which}.py")
@@ -222,7 +285,7 @@ def _fail(parser, message: str):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m jax_mila", description=__doc__,
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in (("prefill", "run the prompt once and time it"),
@@ -231,9 +294,10 @@ def main(argv=None) -> None:
         p.add_argument("--model", help="checkpoint directory (default: the embedded checkpoint)")
         group = p.add_mutually_exclusive_group()
         group.add_argument("--prompt", help="text (needs tokenizer.json in the checkpoint)")
-        group.add_argument("--prompt-ids", help="comma- or space-separated token ids")
+        group.add_argument("--prompt-ids", type=_token_ids, help="comma- or space-separated token ids")
         group.add_argument("--length", type=int, default=64, help="synthetic prompt length (default 64)")
-        p.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default 32)")
+        if name == "generate":  # prefill generates nothing: there it would be ignored
+            p.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default 32)")
         p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
         p.add_argument("--backend", default="auto", choices=("auto", "mila", "reference"))
         p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompt")
@@ -246,11 +310,13 @@ def main(argv=None) -> None:
     sub.add_parser("selftest", help="run each op once against its reference (jax_mila.selftest)")
     p = sub.add_parser("bench", help="benchmarks: prefill (end to end), or a kernel benchmark",
                        description=_bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("which", choices=("prefill",) + KERNEL_BENCHES,
-                   help="prefill: Gemma 4 end to end (jax_mila.bench.prefill); the others: "
-                        "benchmarks/<name>.py of a source checkout")
-    p.add_argument("bench_args", nargs=argparse.REMAINDER,
-                   help="passed to the benchmark (e.g. --seqs 8192 --backends mila,reference)")
+    p.add_argument("which", choices=("prefill",) + KERNEL_BENCHES, metavar="BENCHMARK",
+                   help="prefill: Gemma 4 end to end (jax_mila.bench.prefill); attention, gemm, "
+                        "quantize: benchmarks/<name>.py of a source checkout")
+    rest = p.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                          help="passed to the benchmark (e.g. --seqs 8192 --backends "
+                               "mila,reference; BENCHMARK --help lists them)")
+    rest.required = False  # argparse marks REMAINDER required, but `bench attention` needs none
     p = sub.add_parser("convert", help="write a checkpoint's text decoder with MXFP4 weights")
     p.add_argument("--model", required=True, help="source checkpoint directory (single file or sharded)")
     p.add_argument("--out", required=True, help="output directory (created; must not hold a checkpoint)")
@@ -272,11 +338,13 @@ def main(argv=None) -> None:
         sys.exit(1 if failed else 0)
     if args.command == "generate" and args.new_tokens < 1:
         parser.error("--new-tokens must be >= 1")
+    if args.seed < 0:  # numpy's seeds are non-negative
+        parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.length is not None and args.length < 1:
         parser.error("--length must be >= 1")
     if args.chunk_size is not None and args.chunk_size < 1:
         parser.error("--chunk-size must be >= 1")
-    _run(args)
+    _run(args, parser)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import logging
+import os
 import re
+import shutil
+import tempfile
 
-from absl.testing import absltest
+from absl.testing import absltest, parameterized
 
-from jax_mila.__main__ import main
+from jax_mila import gemma4
+from jax_mila.__main__ import _generated_text, _tokenizer, main
+
+EMBEDDED = str(gemma4.embedded_checkpoint())
 
 
 def run_cli(*argv) -> str:
@@ -18,7 +26,18 @@ def run_cli(*argv) -> str:
     return out.getvalue()
 
 
-class CliTest(absltest.TestCase):
+def run_cli_error(*argv) -> tuple[int, str]:
+    """(exit status, stderr) of a command line the CLI refuses."""
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            main(list(argv))
+        except SystemExit as e:
+            return e.code, err.getvalue()
+    raise AssertionError(f"{argv} did not exit")
+
+
+class CliTest(parameterized.TestCase):
 
     def test_generate_prints_tokens_and_throughput(self):
         text = run_cli("generate", "--length", "20", "--new-tokens", "4", "--dtype", "float32")
@@ -37,6 +56,69 @@ class CliTest(absltest.TestCase):
     def test_bad_ids_exit(self):
         with self.assertRaises(SystemExit):
             run_cli("prefill", "--prompt-ids", "2,999999")
+
+    @parameterized.named_parameters(
+        ("ids_not_integers", ("generate", "--prompt-ids", "2,abc"),
+         r"argument --prompt-ids: expected comma- or space-separated integer ids, got '2,abc'"),
+        ("ids_empty", ("generate", "--prompt-ids", ""), r"argument --prompt-ids: no token ids given"),
+        ("ids_only_separators", ("prefill", "--prompt-ids", " , "), r"argument --prompt-ids: no token ids"),
+        ("negative_seed", ("generate", "--seed", "-1"), r"--seed must be >= 0, got -1"),
+        ("new_tokens_on_prefill", ("prefill", "--new-tokens", "5"),
+         r"unrecognized arguments: --new-tokens 5"),
+    )
+    def test_bad_arguments_are_usage_errors_naming_the_flag(self, argv, pattern):
+        code, err = run_cli_error(*argv)
+        self.assertEqual(code, 2)
+        self.assertNotIn("Traceback", err)
+        self.assertRegex(err.strip().splitlines()[-1], r"error: " + pattern)
+
+    @parameterized.product(command=("generate", "convert"),
+                           model=(("nope", "does not exist"), ("config.json", "not a directory")))
+    def test_bad_model_path_gives_one_message_for_every_subcommand(self, command, model):
+        with tempfile.TemporaryDirectory() as d:
+            shutil.copy(os.path.join(EMBEDDED, "config.json"), d)
+            path = os.path.join(d, model[0])
+            out = ("--out", os.path.join(d, "out")) if command == "convert" else ()
+            code, err = run_cli_error(command, "--model", path, *out)
+        self.assertEqual(code, 2)
+        self.assertEqual(err.strip(), f"python -m jax_mila: error: --model {path}: {model[1]} "
+                                      "(expected a checkpoint directory" +
+                                      (", holding config.json)" if model[0] == "config.json" else ")"))
+
+    def test_checkpoint_errors_name_the_path_once(self):
+        with tempfile.TemporaryDirectory() as d:
+            code, err = run_cli_error("prefill", "--model", d)
+        self.assertEqual(code, 2)
+        self.assertEqual(err.strip(), f"python -m jax_mila: error: --model {d}: no config.json")
+
+    def test_positions_past_max_position_embeddings_warn(self):
+        with tempfile.TemporaryDirectory() as d:
+            for name in ("config.json", "model.safetensors"):
+                shutil.copy(os.path.join(EMBEDDED, name), d)
+            with open(os.path.join(d, "config.json")) as f:
+                cfg = json.load(f)
+            with open(os.path.join(d, "config.json"), "w") as f:
+                json.dump(dict(cfg, max_position_embeddings=16), f)
+            with self.assertLogs("jax_mila", logging.WARNING) as logs:
+                text = run_cli("generate", "--model", d, "--length", "12", "--new-tokens", "5")
+            self.assertIn("generated ids:", text)  # a warning only: it still runs
+            warnings = [line for line in logs.output if "max_position_embeddings" in line]
+            self.assertLen(warnings, 1)
+            self.assertIn("the prompt (12 tokens) + --new-tokens 5 = 17 positions pass the "
+                          "model's max_position_embeddings (16", warnings[0])
+            with self.assertLogs("jax_mila", logging.WARNING) as logs:
+                run_cli("prefill", "--model", d, "--length", "17")
+            self.assertIn("the prompt's 17 positions pass", "".join(logs.output))
+            with self.assertNoLogs("jax_mila", logging.WARNING):
+                run_cli("generate", "--model", d, "--length", "12", "--new-tokens", "4")
+
+    def test_ids_the_tokenizer_cannot_decode_are_named(self):
+        tokenizer = _tokenizer(EMBEDDED)   # 674 tokens, against the model's 2048
+        size = tokenizer.get_vocab_size()
+        text = _generated_text(tokenizer, [2, size + 10, 5, size + 10, 2047])
+        self.assertIn(f"ids {[size + 10, 2047]} not shown: the tokenizer ({size} tokens) has no "
+                      "token for them", text)
+        self.assertNotIn("not shown", _generated_text(tokenizer, [2, 5, size - 1]))
 
 
 if __name__ == "__main__":

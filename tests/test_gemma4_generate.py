@@ -96,6 +96,36 @@ class GenerateTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "shorter than the prompt"):
             gemma4.prefill(model, ids, max_cache_len=4)
 
+    @parameterized.named_parameters(
+        ("past_vocab", [[2, 61, 5]], r"input_ids: \[61\] outside the vocabulary \[0, 61\)"),
+        ("negative", [[-1, 5]], r"input_ids: \[-1\] outside the vocabulary \[0, 61\)"),
+        ("float", np.array([[2.0, 5.0]], np.float32),
+         r"input_ids must be integer token ids, got dtype float32 \(supported: integer dtypes"),
+        ("bool", np.ones((1, 3), bool), r"integer token ids, got dtype bool"),
+        ("one_dim", [2, 5], r"must be int32 \[B, S\] with S >= 1, got shape \[2\]"),
+    )
+    def test_token_ids_are_checked(self, ids, pattern):
+        model = tiny_model()
+        for name, fn in (("prefill", gemma4.prefill), ("forward", gemma4.forward),
+                         ("generate", lambda m, i: gemma4.generate(m, i, 2)),
+                         ("__call__", lambda m, i: m(i))):
+            with self.subTest(name), self.assertRaisesRegex(ValueError, pattern):
+                fn(model, ids)
+            if np.ndim(ids) == 2:  # the same ids, on the device
+                with self.subTest(name + " jax.Array"), self.assertRaisesRegex(ValueError, pattern):
+                    fn(model, jnp.asarray(ids))
+
+    def test_traced_token_ids_are_checked_for_dtype_only(self):
+        model = tiny_model()
+        call = jax.jit(lambda ids: model(ids))
+        with self.assertRaisesRegex(ValueError, "integer token ids, got dtype float32"):
+            call(jnp.ones((1, 3), jnp.float32))
+        # Their values do not exist at trace time: no range check (and no device sync) inside jit.
+        self.assertEqual(call(jnp.array([[2, 61]], jnp.int32)).shape, (1, 2, 61))
+        ids = jnp.array([[2, 60, 0]], jnp.uint8)   # any integer dtype, cast to int32
+        np.testing.assert_array_equal(np.asarray(gemma4.forward(model, ids)),
+                                      np.asarray(gemma4.forward(model, ids.astype(jnp.int32))))
+
     def test_bf16_kernel_head_dims_through_ffi(self):
         """Head dims 256/512 in bf16 take the jax_mila.ffi path (its reference on CPU)."""
         model = tiny_model(dtype=jnp.bfloat16, backend="auto", head_dim=256, global_head_dim=512,

@@ -109,6 +109,12 @@ class LoaderTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "backend='cuda' is not supported"):
             gemma4.from_pretrained(self.dir, backend="cuda")
 
+    @parameterized.parameters(jnp.int32, jnp.float16, "float64", "fp8")
+    def test_dtype_is_checked(self, dtype):
+        with self.assertRaisesRegex(ValueError, r"dtype=.* is not supported \(supported: "
+                                                r"bfloat16, float32\)"):
+            gemma4.from_pretrained(self.dir, dtype=dtype)
+
     @parameterized.named_parameters(
         ("activation", dict(hidden_activation="silu"), "hidden_activation"),
         ("bidirectional", dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),

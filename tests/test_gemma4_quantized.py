@@ -16,6 +16,7 @@ import contextlib
 import io
 import json
 import os
+import stat
 import tempfile
 
 import jax.numpy as jnp
@@ -163,6 +164,8 @@ class QuantizedGemma4Test(absltest.TestCase):
         self.assertGreater(len(summary["files"]), 2)
         self.assertTrue(os.path.isfile(os.path.join(out, "model.safetensors.index.json")))
         self.assertFalse(os.path.exists(os.path.join(out, "model.safetensors")))
+        config_mode = stat.S_IMODE(os.stat(os.path.join(out, "config.json")).st_mode)
+        self.assertEqual({stat.S_IMODE(os.stat(f).st_mode) for f in summary["files"]}, {config_mode})
         a = gemma4.forward(gemma4.from_pretrained(out, dtype=jnp.float32, quantize="w4a8"), self.ids)
         b = gemma4.forward(gemma4.from_pretrained(self.converted, dtype=jnp.float32, quantize="w4a8"), self.ids)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -226,10 +229,19 @@ class ConvertCliTest(absltest.TestCase):
             self.assertEqual(code, 0)
             self.assertRegex(out, r"as MXFP4, 0\.2\d\d of their dense size")
             self.assertTrue(os.path.isfile(os.path.join(dst, "tokenizer.json")))
+            # The weights get a new file's usual mode (0666 & ~umask), like the config beside
+            # them; safetensors alone would leave them 0600.
+            mode = lambda name: stat.S_IMODE(os.stat(os.path.join(dst, name)).st_mode)
+            self.assertEqual(mode("model.safetensors"), mode("config.json"))
             code, out, _ = self._cli("prefill", "--model", dst, "--prompt-ids", "2,5,9")
             self.assertEqual(code, 0)
             self.assertIn("weights w4a8", out)   # picked from the converted checkpoint
             self.assertIn("next token:", out)
+            # Asked for dense weights, it refuses with the flag to pass (not Python's quantize=).
+            code, _, err = self._cli("prefill", "--model", dst, "--quantize", "none")
+            self.assertEqual(code, 2)
+            self.assertIn("load it with --quantize w4a8 (got --quantize none)", err)
+            self.assertNotIn("quantize=", err)
             # Converting into a directory that already holds a checkpoint is refused.
             code, _, err = self._cli("convert", "--model", str(gemma4.embedded_checkpoint()),
                                      "--out", dst, "--quiet")
@@ -239,8 +251,15 @@ class ConvertCliTest(absltest.TestCase):
     def test_bad_arguments_exit_2_with_one_line(self):
         with tempfile.TemporaryDirectory() as d:
             os.makedirs(os.path.join(d, "empty"))
+            with open(os.path.join(d, "file"), "w"):
+                pass
             for argv, pattern in (
-                    (("--model", os.path.join(d, "nope"), "--out", os.path.join(d, "o")), "not a directory"),
+                    (("--model", os.path.join(d, "nope"), "--out", os.path.join(d, "o")),
+                     "--model .*nope: does not exist"),
+                    (("--model", os.path.join(d, "file"), "--out", os.path.join(d, "o")),
+                     "--model .*file: not a directory"),
+                    (("--model", str(gemma4.embedded_checkpoint()), "--out", os.path.join(d, "file")),
+                     r"--out .*file: not a directory \(--out is the directory to write"),
                     (("--model", os.path.join(d, "empty"), "--out", os.path.join(d, "o")), "no config.json"),
                     (("--model", str(gemma4.embedded_checkpoint()), "--out", d, "--quantize", "int3"),
                      "invalid choice"),

@@ -377,6 +377,25 @@ class CliTest(absltest.TestCase):
             cli(["bench", "nope"])
         self.assertIn("invalid choice: 'nope'", err.getvalue())
 
+    def test_bench_usage_names_the_command_line(self):
+        err = io.StringIO()
+        with self.assertRaises(SystemExit), contextlib.redirect_stderr(err):
+            cli(["bench"])
+        self.assertIn("python -m jax_mila bench: error: the following arguments are required: "
+                      "BENCHMARK", err.getvalue())
+        self.assertNotIn("bench_args", err.getvalue())
+        out = io.StringIO()
+        with self.assertRaises(SystemExit), contextlib.redirect_stdout(out):
+            cli(["bench", "prefill", "--help"])
+        self.assertTrue(out.getvalue().startswith("usage: python -m jax_mila bench prefill "))
+        err = io.StringIO()
+        with self.assertRaises(SystemExit), contextlib.redirect_stderr(err):
+            cli(["bench", "prefill", "--seqs", "0"])
+        self.assertIn("python -m jax_mila bench prefill: error: --seqs", err.getvalue())
+        with mock.patch("subprocess.call", return_value=0) as call, self.assertRaises(SystemExit):
+            cli(["bench", "attention"])   # a kernel benchmark needs no arguments
+        self.assertEqual(call.call_args.args[0][2:], [])
+
     def test_kernel_bench_outside_a_checkout(self):
         err = io.StringIO()
         with mock.patch("os.path.isfile", return_value=False), \

@@ -178,8 +178,10 @@ class MXFP4FormatTest(parameterized.TestCase):
                 quant.quantize_mxfp4(jnp.asarray(x), name="layers.3.mlp.down_proj")
 
     def test_bad_shapes_and_dtypes(self):
-        with self.assertRaisesRegex(ValueError, "K % 128"):
-            quant.quantize_mxfp4(jnp.ones((4, 96)))
+        for k in (96, 64):  # whole blocks of 32, but not whole groups of 128
+            with self.assertRaisesRegex(ValueError, "K % 128"):
+                quant.quantize_mxfp4(jnp.ones((4, k)))
+        self.assertIn(f"K % {mxfp4.GROUP} == 0", quant.quantize_mxfp4.__doc__)  # as enforced
         with self.assertRaisesRegex(ValueError, r"\[N, K\]"):
             quant.quantize_mxfp4(jnp.ones((128,)))
         with self.assertRaisesRegex(ValueError, "int32"):

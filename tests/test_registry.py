@@ -1,6 +1,8 @@
 """The op registry, the kill switch and the selftest, on whatever device is present."""
 
 import os
+import subprocess
+import sys
 from unittest import mock
 
 import jax
@@ -51,6 +53,23 @@ class RegistryTest(absltest.TestCase):
     def test_registration_happens_once(self):
         first = _registry._registered_targets()
         self.assertIs(first, _registry._registered_targets())
+
+
+class PackageTest(absltest.TestCase):
+    def test_import_exposes_the_subpackages_lazily(self):
+        """BUILD.md's install check, `import jax_mila; jax_mila.ffi.available()`, in a fresh
+        process: `import jax_mila` alone imports neither jax nor the CUDA extension."""
+        code = ("import sys, jax_mila\n"
+                "assert 'jax' not in sys.modules, 'import jax_mila imported jax'\n"
+                "ffi = jax_mila.ffi\n"
+                "assert 'jax_mila._jax_mila_cuda' not in sys.modules, 'extension loaded on import'\n"
+                "assert set(ffi.available()) == set(ffi.OPS)\n"
+                "assert jax_mila.gemma4.prefill and jax_mila.reference and jax_mila.quant and jax_mila.nn\n"
+                "assert not hasattr(jax_mila, 'nope')\n")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(jax_mila.__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        self.assertEqual(run.returncode, 0, run.stderr)
 
 
 class SelftestTest(absltest.TestCase):

@@ -564,8 +564,8 @@ def report(rows: list[dict], backends: list[str], seqs: list[int]) -> str:
     return "\n".join(text)
 
 
-def _parse(argv):
-    p = argparse.ArgumentParser(prog="benchmarks/prefill.py", description=__doc__,
+def _parse(argv, prog="benchmarks/prefill.py"):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="12b", help="model card name or directory with config.json (default 12b)")
     p.add_argument("--seqs", default=",".join(map(str, DEFAULT_SEQS)), help="prompt lengths, comma-separated")
@@ -623,13 +623,15 @@ def _parse(argv):
     return args
 
 
-def main(argv=None) -> list[dict]:
+def main(argv=None, *, prog: str = "benchmarks/prefill.py") -> list[dict]:
+    """Runs the benchmark on ``argv`` (default sys.argv[1:]); ``prog``: the command its usage
+    and errors name (`python -m jax_mila bench prefill` when run from there)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--worker"]:
         spec = json.loads(argv[1])
         (_torch_worker if spec["backend"] == "transformers" else _jax_worker)(spec)
         return []
-    args = _parse(argv)
+    args = _parse(argv, prog)
     from jax_mila.gemma4.random_init import _config_path
 
     try:

@@ -53,11 +53,20 @@ def _plan(model, prefix: str):
     return sorted(entries)
 
 
+def _new_file_mode() -> int:
+    """The mode open() gives a new file: 0666 & ~umask (os.umask returns the mask only by
+    replacing it, so it is put back at once)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 class _ShardWriter:
     """Collects tensors and writes a shard whenever ~shard_bytes are pending."""
 
     def __init__(self, dst: str, shard_bytes: int):
         self.dst, self.shard_bytes = dst, shard_bytes
+        self.mode = _new_file_mode()
         self.pending, self.pending_bytes, self.shards = {}, 0, []  # shards: [(tmp file, names)]
         self.total_bytes = 0
 
@@ -73,6 +82,9 @@ class _ShardWriter:
             return
         tmp = os.path.join(self.dst, f".jax_mila_shard_{len(self.shards):05d}.safetensors")
         save_file(self.pending, tmp, metadata={"format": "pt"})
+        # safetensors writes through a private temporary file (mode 0600); give the shard the
+        # mode of the config and tokenizer files written beside it.
+        os.chmod(tmp, self.mode)
         self.shards.append((tmp, sorted(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 
@@ -103,6 +115,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quantize="w4a8",
     src, dst = os.fspath(src), os.fspath(dst)
     if not os.path.isfile(os.path.join(src, "config.json")):
         raise CheckpointError(f"{src}: not a checkpoint directory (no config.json)")
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise CheckpointError(f"--out {dst}: not a directory (--out is the directory to write the "
+                              "checkpoint to; it is created if missing)")
     if os.path.realpath(src) == os.path.realpath(dst):
         raise CheckpointError(f"--out {dst} is the source checkpoint; choose another directory")
     for existing in (loader.SINGLE_FILE, loader.INDEX_FILE):

@@ -24,7 +24,7 @@ from flax import nnx
 from jax_mila.gemma4 import cache as kv
 from jax_mila.gemma4 import pieces
 from jax_mila.gemma4.cache import KVCache
-from jax_mila.gemma4.model import Gemma4ForCausalLM
+from jax_mila.gemma4.model import Gemma4ForCausalLM, check_input_ids
 from jax_mila.parallel import chunked
 
 
@@ -143,16 +143,15 @@ def _decode(structure, weights, cache, token, steps):
     return tokens.T, cache
 
 
-def _ids(input_ids) -> jax.Array:
-    ids = jnp.asarray(input_ids, jnp.int32)
-    if ids.ndim != 2 or ids.shape[1] < 1:
-        raise ValueError(f"input_ids must be int32 [B, S] with S >= 1, got shape {list(ids.shape)}")
-    return ids
+def _ids(model: Gemma4ForCausalLM, input_ids) -> jax.Array:
+    """``input_ids`` as int32 [B, S], checked (model.check_input_ids: integer ids, in the
+    vocabulary where they are concrete; here, outside the jitted steps, they always are)."""
+    return check_input_ids(input_ids, model.config.vocab_size)
 
 
 def forward(model: Gemma4ForCausalLM, input_ids) -> jax.Array:
     """Jitted ``model(input_ids)``: logits [B, S, vocab]; compiles once per input shape."""
-    return _forward(*model_args(model), _ids(input_ids))
+    return _forward(*model_args(model), _ids(model, input_ids))
 
 
 DEFAULT_CHUNK = 2048        # tokens per chunk when the device reports no memory figures
@@ -290,7 +289,7 @@ def prefill(model: Gemma4ForCausalLM, input_ids, *, chunk_size: int | None = Non
       of it. The capacity is rounded up to a multiple of devices x segments, and the cache
       comes back in that layout (``cache.seq_layout``; decode does not take it yet;
       jax_mila.parallel.chunked.cache_in_position_order gathers it back to positions)."""
-    ids = _ids(input_ids)
+    ids = _ids(model, input_ids)
     batch, length = ids.shape
     max_len = length if max_cache_len is None else int(max_cache_len)
     if max_len < length:
@@ -390,7 +389,7 @@ def generate(model: Gemma4ForCausalLM, input_ids, max_new_tokens: int, *,
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    ids = _ids(input_ids)
+    ids = _ids(model, input_ids)
     if (cache is None) != (logits is None):
         raise ValueError("pass both the cache and the last logits of a prefill, or neither")
     if cache is None:

@@ -40,6 +40,11 @@ PREFIXES = ("model.language_model.", "model.")
 _SHARED_LAYER_UNUSED = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj\.weight|v_proj\.weight|k_norm\.weight|v_norm\.weight)$")
 
 
+# Model dtypes from_pretrained takes: the released weights' bf16, and float32 for parity (what
+# the README, the CLI and the tests use; no test runs the model in any other dtype).
+DTYPES = ("bfloat16", "float32")
+
+
 class CheckpointError(ValueError):
     """A checkpoint does not provide a tensor the model needs, or provides it mis-shaped."""
 
@@ -214,12 +219,23 @@ def _report_unused(files, used, prefix, cfg: Gemma4Config) -> None:
                     len(unexpected), ", ".join(sorted(unexpected)[:10]))
 
 
+def check_dtype(dtype) -> None:
+    """Raises ValueError naming ``dtype`` unless it is one of DTYPES (anything else would fail
+    later, deep inside the model's construction, or run in an untested precision)."""
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:  # not a dtype at all
+        name = None
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name or dtype!r} is not supported (supported: {', '.join(DTYPES)})")
+
+
 def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, backend: str = "auto",
                     quantize=None) -> Gemma4ForCausalLM:
     """Loads a Gemma 4 text decoder from a Hugging Face checkpoint directory.
 
-    ``dtype``: parameter and activation dtype (bf16 like the released weights, or float32 for
-    parity). ``backend``: "auto", "mila" (jax_mila kernels where they apply) or "reference".
+    ``dtype``: parameter and activation dtype, bfloat16 (like the released weights) or float32
+    (for parity); others raise ValueError. ``backend``: "auto", "mila" (jax_mila kernels where they apply) or "reference".
     ``quantize``: weight format of the linears: None (dense) or "w4a8" (MXFP4 weights, FP8
     activations; see jax_mila.nn.Linear). With "w4a8" a dense checkpoint is quantized while
     loading, tensor by tensor; a checkpoint written by ``python -m jax_mila convert`` is read
@@ -227,6 +243,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, backend: str
     its linears exist only in MXFP4; dequantizing them would silently give a different model
     than the dense original).
     """
+    check_dtype(dtype)
     nn.check_quantize(quantize)
     path = os.fspath(path)
     try:

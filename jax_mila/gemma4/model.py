@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jax_mila import nn
@@ -38,6 +39,30 @@ from jax_mila.parallel import chunked as cpc
 from jax_mila.parallel import context as cp
 
 MODES = ("full", "prefill", "decode", "chunk")
+
+
+def check_input_ids(input_ids, vocab_size: int) -> jax.Array:
+    """``input_ids`` [B, S] as int32, once they are known to be integer token ids in
+    [0, vocab_size).
+
+    Nothing downstream would fail on bad ids: a cast truncates float ids, and the embedding
+    gather wraps -1 to the last row and gives non-finite logits past the table. Only concrete
+    ids are range-checked: traced ones (inside jit) have no values at trace time, and checking
+    them on the device would cost a sync in every jitted step; their dtype is still checked.
+    Concrete ids on a device are copied to the host for the check ([B, S] int32, small)."""
+    ids = input_ids if isinstance(input_ids, jax.Array) else np.asarray(input_ids)
+    if ids.ndim != 2 or ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be int32 [B, S] with S >= 1, got shape {list(ids.shape)}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"input_ids must be integer token ids, got dtype {ids.dtype} "
+                         "(supported: integer dtypes, cast to int32)")
+    if not isinstance(ids, jax.core.Tracer) and getattr(ids, "is_fully_addressable", True):
+        host = np.asarray(ids)
+        bad = np.unique(host[(host < 0) | (host >= vocab_size)]).tolist()
+        if bad:
+            shown = f"{bad[:10]}" + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+            raise ValueError(f"input_ids: {shown} outside the vocabulary [0, {vocab_size})")
+    return jnp.asarray(ids, jnp.int32)
 
 
 def _scale(x: jax.Array, factor: float) -> jax.Array:
@@ -265,6 +290,7 @@ class Gemma4ForCausalLM(nnx.Module):
         return h, new_cache
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
-        """Softcapped logits [B, S, vocab] (dtype of the model) for int32 ids [B, S]."""
-        h, _ = self.hidden_states(input_ids)
+        """Softcapped logits [B, S, vocab] (dtype of the model) for int32 ids [B, S]
+        (``check_input_ids``: integer ids; concrete ones in [0, vocab_size))."""
+        h, _ = self.hidden_states(check_input_ids(input_ids, self.config.vocab_size))
         return self.logits(h)

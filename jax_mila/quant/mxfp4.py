@@ -170,8 +170,9 @@ def _quantize_core(w):
 
 
 def quantize_mxfp4(w, *, name: str = "weight", check_finite: bool = True) -> MXFP4Weight:
-    """Quantizes a bfloat16/float16/float32 weight ``w`` of shape [N, K] (K % 32 == 0; N output
-    channels, K the contraction dim, i.e. the transpose of a Flax [in, out] kernel) to MXFP4.
+    """Quantizes a bfloat16/float16/float32 weight ``w`` of shape [N, K] (K % 128 == 0, GROUP:
+    the kernel order's groups of 4 blocks of 32; N output channels, K the contraction dim, i.e.
+    the transpose of a Flax [in, out] kernel) to MXFP4.
 
     NaN or inf in ``w`` raises ValueError naming ``name``. That check reads the values, so it
     needs a concrete array; inside jit pass ``check_finite=False`` (non-finite inputs then give
