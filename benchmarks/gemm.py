@@ -15,6 +15,14 @@ clock moves by several percent between runs) and its accumulation error (float32
 a float32 product of the same operands: XLA's default FP8 path accumulates in a reduced-precision
 mode, the W4A8 kernel promotes). NVML's energy counter was tried for energy per FLOP and dropped:
 over trials of 20-30 ms it advanced in steps that read 0 W to 2,100 W.
+
+GEMMs under SMALL_GEMM_FLOP (M = 1024 but gate+up) report a JAX path's device time: the kernels'
+durations in a jax.profiler trace (benchmarks/_bench.py), median of 5 runs of `--calls` calls.
+Their wall time measures the host instead: one dispatch of a jitted call costs JAX tens of us,
+and a jitted program of 20 such GEMMs still spent ~500 us per execution outside its kernels
+(H200, 2026-12-02: o_proj_sliding, 28.9 us kernels back to back, 47-57 us per GEMM in wall
+time). The wall time stays in the JSON ("<path>_wall"). torch's path is timed with CUDA events
+around its calls either way (its dispatch, ~10 us, stays under the kernels' time).
 """
 
 from __future__ import annotations
@@ -33,7 +41,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _bench import GpuSampler, markdown_table, write_json  # noqa: E402
+from _bench import (GpuSampler, markdown_table, median_device_seconds_per_call,  # noqa: E402
+                    write_json)
 
 from jax_mila import ffi, quant  # noqa: E402
 
@@ -61,6 +70,8 @@ XLA_FP8_SCALED_ANCHOR = {"qkv": 697, "q+k_global": 740}
 # by a 200-300 s timeout): not timed, so the rest of the table still comes out.
 XLA_FP8_HANGS_N = {30720}
 TRIALS = 7  # timed trials per path; the median is reported
+# Below this many FLOP a JAX path reports device time (see the docstring).
+SMALL_GEMM_FLOP = 2e11
 
 
 class _JaxTimer:
@@ -284,7 +295,7 @@ def main() -> None:
     ratio_of = labels[paths[0]] if kernels else "w4a8"
     header = (["GEMM", "N x K", "M"] + [labels[p] for p in paths]
               + [f"{ratio_of} / {labels[a]}" for a in fp8_anchors] + ["weight bits/value"])
-    detail_header = ["GEMM", "M", "path", "TFLOP/s", "SM MHz", "board W",
+    detail_header = ["GEMM", "M", "path", "TFLOP/s", "timed by", "SM MHz", "board W",
                      f"rel. error, f32 out, {ACCURACY_ROWS} rows"]
     rows, detail_rows, records = [], [], []
     fmt = lambda v, spec=".0f": "-" if v is None else format(v, spec)  # noqa: E731
@@ -339,6 +350,18 @@ def main() -> None:
                     clock = "" if rec[f"{key}_mhz"] is None else (
                         f" at {rec[f'{key}_mhz']:.0f} MHz, {rec[f'{key}_watts']:.0f} W")
                     print(f" {rec[key]:.0f} TFLOP/s{clock}", file=sys.stderr, flush=True)
+            for key, timer in timers.items():
+                rec[f"{key}_timed_by"] = "CUDA events" if key == "torch_scaled_mm" else "wall"
+                if (flops >= SMALL_GEMM_FLOP or not isinstance(timer, _JaxTimer)
+                        or not rec.get(key)):
+                    continue
+                seconds = median_device_seconds_per_call(timer.fn, [timer.args],
+                                                         calls=args.calls)
+                if seconds is not None:  # None: no device kernels in the trace (a CPU run)
+                    rec[f"{key}_wall"], rec[key] = rec[key], flops / seconds / 1e12
+                    rec[f"{key}_timed_by"] = "device time"
+                    print(f"  {name} M={m} {labels[key]}: {rec[key]:.0f} TFLOP/s in device time "
+                          f"({rec[f'{key}_wall']:.0f} in wall time)", file=sys.stderr, flush=True)
             if args.accuracy:
                 errors = _accumulation_errors([p for p in paths if p in timers and rec.get(p)],
                                               xq, xs, wq, w8, ws)
@@ -353,7 +376,8 @@ def main() -> None:
             print(" | ".join(str(c) for c in row), flush=True)
             for p in paths:
                 if rec.get(p):
-                    detail_rows.append([name, m, labels[p], fmt(rec[p]), fmt(rec.get(f"{p}_mhz")),
+                    detail_rows.append([name, m, labels[p], fmt(rec[p]),
+                                        rec.get(f"{p}_timed_by", "-"), fmt(rec.get(f"{p}_mhz")),
                                         fmt(rec.get(f"{p}_watts")),
                                         fmt(rec.get(f"{p}_rel_error"), ".2e")])
             del x, w, xq, xs, wq, w8, ws, wt16
