@@ -351,7 +351,7 @@ def main() -> None:
                         f" at {rec[f'{key}_mhz']:.0f} MHz, {rec[f'{key}_watts']:.0f} W")
                     print(f" {rec[key]:.0f} TFLOP/s{clock}", file=sys.stderr, flush=True)
             for key, timer in timers.items():
-                rec[f"{key}_timed_by"] = "CUDA events" if key == "torch_scaled_mm" else "wall"
+                rec[f"{key}_timed_by"] = "CUDA events" if isinstance(timer, _TorchTimer) else "wall"
                 if (flops >= SMALL_GEMM_FLOP or not isinstance(timer, _JaxTimer)
                         or not rec.get(key)):
                     continue

@@ -476,9 +476,8 @@ W4A8Variant Resolve(W4A8Variant variant, int cc) {
 const char* W4A8CodeProblem(W4A8Variant variant, int cc, int* compiled_for) {
   *compiled_for = 0;
   variant = Resolve(variant, cc);
-  if (variant != W4A8Variant::kMmaSync) {
-    if (!kBuildHasSm90a) return "the wgmma kernels need sm_90a code, which this build lacks";
-    return cc == 90 ? nullptr : "the wgmma kernels run on compute capability 9.0 only";
+  if (variant != W4A8Variant::kMmaSync) {  // the device's 9.0 is the handler's own check
+    return kBuildHasSm90a ? nullptr : "the wgmma kernels need sm_90a code, which this build lacks";
   }
   // Asked once per device (the answer depends on the build and the GPU); -1: no code for it.
   static std::atomic<int> ptx_version[64] = {};
