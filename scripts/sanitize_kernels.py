@@ -162,17 +162,19 @@ def check_attention(d, rotary_keys_only=None):
 
 def check_w4a8():
     hopper = testing.has_cuda() and testing.compute_capability() >= (9, 0)
-    kernels = (["mma_sync", "wgmma", "wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster"] if hopper
-               else []) + ["auto"]
+    kernels = (["mma_sync", "wgmma", "wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster",
+                "wgmma_ws_e4m3", "wgmma_ws_e4m3_cluster"] if hopper else []) + ["auto"]
     # (1100, 4104, 384) has more output tiles (5 x 33) than an H200 has SMs: persistent CTAs of
     # wgmma_ws run a second tile, whose row scales are staged while the first tile's epilogue
     # may still be reading (the cross-tile hazard racecheck must see); K = 384 ends on the
     # one-tile promotion chain. bf16 output is wgmma_ws's staged epilogue, float32 its direct one.
     # The last two are wgmma_ws's stream-K (on 132 SMs): 6 tiles of 13 K tiles in runs of 8
     # across tiles (partials written, flagged, read by the owner), and a whole wave followed by
-    # 23 tiles split in two.
+    # 23 tiles split in two. The e4m3 variants expand the weights into the scratch first (the
+    # GEMM's TMA reads what another kernel wrote: initcheck sees a byte it missed); from M = 4096
+    # "auto" runs them.
     for m, n, k in ((1, 256, 128), (97, 384, 256), (300, 136, 384), (1100, 4104, 384),
-                    (300, 264, 1664), (1100, 3848, 2048)):
+                    (300, 264, 1664), (1100, 3848, 2048), (4100, 264, 384)):
         x = _bf16((m, k))
         w = jnp.asarray((RNG.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32))
         xq, xs = ffi.quantize_activations(x)
@@ -191,7 +193,7 @@ def check_w4a8():
                 err = testing.rel_fro_err(got.astype(jnp.float32), want)
                 # wgmma (and "auto" on Hopper): FP8 accumulation, ~1e-4 (jax_mila/ffi/w4a8.py);
                 # bf16 output adds its rounding, ~1e-3.
-                resolved = ffi.w4a8.auto_kernel() if kern == "auto" else kern
+                resolved = ffi.w4a8.auto_kernel(m) if kern == "auto" else kern
                 bound = 4e-4 if resolved.startswith("wgmma") else 1e-4
                 if out_dtype == jnp.bfloat16:
                     bound += 4e-3

@@ -22,8 +22,9 @@ from jax_mila import ffi, quant, reference, testing
 from jax_mila.ffi import w4a8 as w4a8_module
 
 
-KERNELS = ["auto", "mma_sync", "wgmma", "wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster"]
-HOPPER_KERNELS = ("wgmma", "wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster")  # sm_90a only
+KERNELS = ["auto", "mma_sync", "wgmma", "wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster",
+           "wgmma_ws_e4m3", "wgmma_ws_e4m3_cluster"]
+HOPPER_KERNELS = tuple(KERNELS[2:])  # sm_90a only
 
 
 def _seed() -> int:
@@ -188,18 +189,35 @@ class W4A8ReferenceTest(parameterized.TestCase):
 
     def test_stream_k_workspace_size(self):
         # One 128 KiB float32 slot per SM (+ 4 KiB of flags) where wgmma_ws may run ("auto",
-        # "wgmma_ws", "wgmma_ws_cluster"); a token elsewhere; an H200's 132 SMs when the devices
-        # do not say.
+        # "wgmma_ws", "wgmma_ws_cluster" and their e4m3 variants); a token elsewhere; an H200's
+        # 132 SMs when the devices do not say. The e4m3 variants, and "auto" on a 9.0 GPU from
+        # EXPAND_MIN_ROWS rows up, add N x K bytes for the expanded weights and 256 to align them.
         slot, flags = 128 * 256 * 4, 4096
+        variant = w4a8_module.KERNELS
         devices = [mock.Mock(core_count=132), mock.Mock(core_count=148)]
-        with mock.patch.object(w4a8_module.jax, "devices", return_value=devices):
+        big_m, n, k = w4a8_module.EXPAND_MIN_ROWS, 264, 384
+        with mock.patch.object(w4a8_module.jax, "devices", return_value=devices), \
+             mock.patch.object(w4a8_module, "cuda_capabilities", return_value=((9, 0),)):
             for kernel in ("auto", "wgmma_ws", "wgmma_ws_cluster"):
-                self.assertEqual(w4a8_module._workspace_bytes(w4a8_module.KERNELS[kernel]),
+                self.assertEqual(w4a8_module._workspace_bytes(variant[kernel]),
                                  flags + 148 * slot)
             for kernel in ("mma_sync", "wgmma", "wgmma_ws_dp"):
-                self.assertEqual(w4a8_module._workspace_bytes(w4a8_module.KERNELS[kernel]), 16)
-        with mock.patch.object(w4a8_module.jax, "devices", side_effect=RuntimeError("no cuda")):
+                self.assertEqual(w4a8_module._workspace_bytes(variant[kernel], big_m, n, k), 16)
+            for kernel in ("wgmma_ws", "wgmma_ws_cluster"):
+                self.assertEqual(w4a8_module._workspace_bytes(variant[kernel], big_m, n, k),
+                                 flags + 148 * slot)
+            for kernel in ("wgmma_ws_e4m3", "wgmma_ws_e4m3_cluster"):
+                for m in (1, big_m):
+                    self.assertEqual(w4a8_module._workspace_bytes(variant[kernel], m, n, k),
+                                     flags + 148 * slot + n * k + 256)
+            self.assertEqual(w4a8_module._workspace_bytes(0, big_m - 1, n, k), flags + 148 * slot)
+            self.assertEqual(w4a8_module._workspace_bytes(0, big_m, n, k),
+                             flags + 148 * slot + n * k + 256)
+        with mock.patch.object(w4a8_module.jax, "devices", side_effect=RuntimeError("no cuda")), \
+             mock.patch.object(w4a8_module, "cuda_capabilities", return_value=((8, 9),)):
             self.assertEqual(w4a8_module._workspace_bytes(0), flags + 132 * slot)
+            # "auto" runs mma_sync on a GPU other than 9.0: no expanded weights.
+            self.assertEqual(w4a8_module._workspace_bytes(0, big_m, n, k), flags + 132 * slot)
 
     @mock.patch.dict(os.environ, {"JAX_MILA_W4A8_CLUSTER": ""})
     def test_auto_picks_wgmma_only_on_sm90_with_sm90a_code(self):
@@ -218,6 +236,8 @@ class W4A8ReferenceTest(parameterized.TestCase):
                  mock.patch.object(w4a8_module, "build_info", return_value={"cuda_archs": archs}), \
                  mock.patch.object(w4a8_module, "cuda_capabilities", return_value=caps):
                 self.assertEqual(w4a8_module.auto_kernel(), kernel)
+                self.assertEqual(w4a8_module.auto_kernel(w4a8_module.EXPAND_MIN_ROWS),
+                                 kernel.replace("_ws", "_ws_e4m3"))
                 self.assertEqual(w4a8_module._variant("auto"), variant)
                 self.assertEqual(w4a8_module._variant("mma_sync"), 1)
                 self.assertEqual(w4a8_module._variant("wgmma"), 2)
@@ -235,6 +255,7 @@ class W4A8ReferenceTest(parameterized.TestCase):
                       cuda_capabilities=mock.Mock(return_value=((9, 0),)))
         cases = (("1", "wgmma_ws"), ("2", "wgmma_ws_cluster"), ("", "wgmma_ws_cluster"),
                  (" 1", "wgmma_ws_cluster"), (None, "wgmma_ws_cluster"))
+        big_m = w4a8_module.EXPAND_MIN_ROWS
         for value, kernel in cases:
             env = {k: v for k, v in os.environ.items() if k != "JAX_MILA_W4A8_CLUSTER"}
             if value is not None:
@@ -242,6 +263,8 @@ class W4A8ReferenceTest(parameterized.TestCase):
             with self.subTest(value=value), mock.patch.dict(os.environ, env, clear=True), \
                  mock.patch.multiple(w4a8_module, **hopper):
                 self.assertEqual(w4a8_module.auto_kernel(), kernel)
+                self.assertEqual(w4a8_module.auto_kernel(big_m - 1), kernel)
+                self.assertEqual(w4a8_module.auto_kernel(big_m), kernel.replace("_ws", "_ws_e4m3"))
 
 
 
@@ -250,15 +273,14 @@ class W4A8ReferenceTest(parameterized.TestCase):
 # ~14 bits (truncated), so the kernel promotes every 128-long K chunk into float32 registers;
 # expected ~1e-4 at any K. 4e-4 holds it with margin while the unpromoted kernel (1.6e-3 at
 # K=15360, measured on the H200) fails test_accuracy_k15360. wgmma_ws: the same promotion over
-# 256-long chunks (passed both bounds on the H200).
-F32_TOL = {"mma_sync": 2e-6, "wgmma": 4e-4, "wgmma_ws": 4e-4, "wgmma_ws_dp": 4e-4,
-           "wgmma_ws_cluster": 4e-4}
-K15360_TOL = {"mma_sync": 1e-5, "wgmma": 4e-4, "wgmma_ws": 4e-4, "wgmma_ws_dp": 4e-4,
-              "wgmma_ws_cluster": 4e-4}
+# 256-long chunks (passed both bounds on the H200); the e4m3 variants add the same products in the
+# same order.
+F32_TOL = {"mma_sync": 2e-6, **{kernel: 4e-4 for kernel in HOPPER_KERNELS}}
+K15360_TOL = {"mma_sync": 1e-5, **{kernel: 4e-4 for kernel in HOPPER_KERNELS}}
 
 
-def _resolve(kernel: str) -> str:
-    return w4a8_module.auto_kernel() if kernel == "auto" else kernel
+def _resolve(kernel: str, m: int = 1) -> str:
+    return w4a8_module.auto_kernel(m) if kernel == "auto" else kernel
 
 
 class W4A8KernelTest(parameterized.TestCase):
@@ -272,13 +294,13 @@ class W4A8KernelTest(parameterized.TestCase):
         if testing.compute_capability() < (8, 9):
             self.skipTest("FP8 mma needs compute capability >= 8.9")
 
-    def _require(self, kernel):
+    def _require(self, kernel, m=1):
         if kernel in HOPPER_KERNELS and testing.compute_capability() != (9, 0):
             self.skipTest(f"{kernel} needs compute capability 9.0 (sm_90a)")
-        return _resolve(kernel)
+        return _resolve(kernel, m)
 
     def _check(self, m, n, k, kernel, *, w_scale=None, seed=None):
-        resolved = self._require(kernel)
+        resolved = self._require(kernel, m)
         seed = _seed() if seed is None else seed
         xq, xs, w = _operands(m, n, k, seed, w_scale=w_scale)
         want32 = reference.w4a8_matmul(xq, xs, w, out_dtype=jnp.float32)
@@ -409,8 +431,10 @@ class W4A8KernelTest(parameterized.TestCase):
     def test_stream_k(self, mnk):
         # wgmma_ws splits the last wave's tiles along K (csrc/w4a8/w4a8_sm90_ws.cu, "schedule");
         # wgmma_ws_dp runs the same kernel on whole tiles; wgmma_ws_cluster splits the tile
-        # pairs of its 2-CTA clusters. All against the reference.
-        for kernel in ("wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster"):
+        # pairs of its 2-CTA clusters; the e4m3 variants keep the scratch's stream-K part
+        # before their expanded weights. All against the reference.
+        for kernel in ("wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster", "wgmma_ws_e4m3",
+                       "wgmma_ws_e4m3_cluster"):
             self._check(*mnk, kernel)
 
     def test_cluster_agrees_bitwise_on_whole_tiles(self):
@@ -436,6 +460,51 @@ class W4A8KernelTest(parameterized.TestCase):
                 np.testing.assert_array_equal(
                     np.asarray(got, np.float32), np.asarray(want, np.float32),
                     err_msg=f"m={m} n={n} k={k} {jnp.dtype(dtype).name} seed={seed}")
+
+    def test_expanded_weights_agree_bitwise(self):
+        # The e4m3 variants take the bytes the others convert each weight word into, through
+        # shared memory instead of registers, and add the same products in the same order into
+        # each output (a wgmma's N only groups output columns; the tiles are 192 activation rows
+        # instead of 256). Where no tile is split along K (K <= 1024: a piece must save more
+        # than 8 K tiles; the split points depend on the tile count), equal bit for bit. M tails
+        # of both tilings; M = 4096 is where "auto" starts to expand.
+        self._require("wgmma_ws_e4m3")
+        seed = _seed()
+        shapes = [(97, 264, 384), (1, 8, 128), (1000, 520, 1024)]
+        if not _under_compute_sanitizer():
+            shapes += [(8389, 2056, 384), (w4a8_module.EXPAND_MIN_ROWS, 520, 512)]
+        pairs = (("wgmma_ws", "wgmma_ws_e4m3"), ("wgmma_ws_cluster", "wgmma_ws_e4m3_cluster"))
+        for m, n, k in shapes:
+            xq, xs, w = _operands(m, n, k, seed + m)
+            for dtype in (jnp.float32, jnp.bfloat16):
+                got = {}
+                for converted, expanded in pairs:
+                    want = ffi.w4a8_matmul(xq, xs, w, out_dtype=dtype, kernel=converted)
+                    got[expanded] = np.asarray(testing.call_with_poisoned_outputs(
+                        functools.partial(ffi.w4a8_matmul, out_dtype=dtype, kernel=expanded),
+                        xq, xs, w), np.float32)
+                    np.testing.assert_array_equal(
+                        got[expanded], np.asarray(want, np.float32),
+                        err_msg=f"{expanded} m={m} n={n} k={k} {jnp.dtype(dtype).name} "
+                                f"seed={seed}")
+                if m >= w4a8_module.EXPAND_MIN_ROWS:  # "auto" expands here
+                    auto = ffi.w4a8_matmul(xq, xs, w, out_dtype=dtype)
+                    np.testing.assert_array_equal(np.asarray(auto, np.float32),
+                                                  got[_resolve("auto", m)])
+
+    def test_handler_refuses_a_workspace_without_room_for_the_expanded_weights(self):
+        # The wrapper sizes the scratch; the handler checks it again (an ffi::Error naming the
+        # workspace, no launch) when a caller of the custom call gives an e4m3 variant less.
+        self._require("wgmma_ws_e4m3")
+        xq, xs, w = _operands(64, 136, 256, _seed())
+        for kernel in ("wgmma_ws_e4m3", "wgmma_ws_e4m3_cluster"):
+            call = jax.ffi.ffi_call(
+                "jax_mila_w4a8_matmul",
+                (jax.ShapeDtypeStruct((64, 136), jnp.bfloat16),
+                 jax.ShapeDtypeStruct((136 * 256 + 255,), jnp.uint8)))  # N x K + 256 needed
+            with self.assertRaisesRegex(Exception, r"workspace: .*needs at least N x K"):
+                jax.block_until_ready(call(xq, xs, w.packed, w.scales, w.channel_exp,
+                                           variant=np.int64(w4a8_module.KERNELS[kernel])))
 
     def test_conversion_orders_agree_bitwise(self):
         # wgmma_ws converts a chain's weights before its wgmmas; JAX_MILA_W4A8_WS_CONVERT=

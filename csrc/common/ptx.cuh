@@ -262,6 +262,25 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_ss(float (&d)[64], uint64_
 #endif
 }
 
+// D[64 x 192] = A[64 x 32] * B[32 x 192] + (kAccumulate ? D : 0), both from shared memory
+// (K-major): the W4A8 kernel on expanded e4m3 weights, whose 192-row activation tiles leave
+// room for a fifth pipeline stage and one promotion wait per chain.
+template <bool kAccumulate>
+__device__ __forceinline__ void wgmma_m64n192k32_e4m3_ss(float (&d)[96], uint64_t desc_a,
+                                                         uint64_t desc_b) {
+#ifdef MILA_HAS_SM90A
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 "
+      "{" MILA_WGMMA_REGS0 ", " MILA_WGMMA_REGS1 ", " MILA_WGMMA_REGS2 "}, "
+      "%96, %97, p, 1, 1;\n}\n"
+      : MILA_WGMMA_D32(d, 0), MILA_WGMMA_D32(d, 32), MILA_WGMMA_D32(d, 64)
+      : "l"(desc_a), "l"(desc_b), "n"(kAccumulate ? 1 : 0));
+#else
+  __trap();
+#endif
+}
+
 // D[64 x 64] = A[64 x 32] * B[32 x 64] + (kAccumulate ? D : 0): as wgmma_m64n128k32_e4m3_rs
 // over 64 columns of B (half the accumulator registers, so that two batches can be in flight).
 template <bool kAccumulate>

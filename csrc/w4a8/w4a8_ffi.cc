@@ -71,10 +71,11 @@ ffi::Error W4A8MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x,
   if (reinterpret_cast<uintptr_t>(scales.untyped_data()) % 4 != 0) {
     return InvalidArgument(kOp, "w.scales: buffer must be 4-byte aligned");
   }
-  if (variant < 0 || variant > static_cast<int64_t>(W4A8Variant::kWgmmaWsCluster)) {
+  if (variant < 0 || variant > kW4A8LastVariant) {
     return InvalidArgument(kOp, "variant=", variant,
                            " (0 auto, 1 mma.sync, 2 wgmma, 3 warp-specialized wgmma, 4 the same "
-                           "without stream-K, 5 the same on 2-CTA clusters)");
+                           "without stream-K, 5 the same on 2-CTA clusters, 6 and 7: 3 and 5 on "
+                           "weights expanded to e4m3)");
   }
   if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1) {
     return InvalidArgument(kOp, "workspace: expected a uint8 vector, got ",
@@ -101,6 +102,14 @@ ffi::Error W4A8MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x,
                          "); rebuild with JAX_MILA_CUDA_ARCHS covering it (default "
                          "80-real;89-real;90a)");
   }
+  const W4A8Variant resolved = ResolveW4A8Variant(static_cast<W4A8Variant>(variant), cc, m);
+  if ((resolved == W4A8Variant::kWgmmaWsE4m3 || resolved == W4A8Variant::kWgmmaWsE4m3Cluster) &&
+      static_cast<int64_t>(workspace->size_bytes()) < W4A8ExpandBytes(n, k)) {
+    return InvalidArgument(kOp, "workspace: ", workspace->size_bytes(), " bytes; variant ",
+                           static_cast<int>(resolved), " (M=", m, ") expands the weights into it "
+                           "and needs at least N x K + ", kW4A8ExpandAlign, " = ",
+                           W4A8ExpandBytes(n, k));
+  }
   W4A8Args args;
   args.x = reinterpret_cast<const uint8_t*>(x.untyped_data());
   args.x_scale = x_scale.typed_data();
@@ -114,7 +123,7 @@ ffi::Error W4A8MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x,
   args.m = m;
   args.n = static_cast<int>(n);
   args.k = static_cast<int>(k);
-  return CheckLaunch(kOp, LaunchW4A8Matmul(args, static_cast<W4A8Variant>(variant), cc, stream));
+  return CheckLaunch(kOp, LaunchW4A8Matmul(args, resolved, cc, stream));
 }
 
 }  // namespace

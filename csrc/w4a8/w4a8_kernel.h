@@ -1,14 +1,16 @@
 // W4A8 GEMM: y[M, N] = (x_fp8[M, K] * x_scale[M]) @ W[N, K]^T, W in MXFP4 (jax_mila/quant/mxfp4.py:
 // e2m1 codes packed in kernel order, e8m0 block exponents, a per-channel reference exponent).
 // FP8 tensor cores with float32 accumulation; the weights stay 4-bit in memory and become e4m3
-// in registers right before the MMA. Three kernels:
+// in registers right before the MMA, or (from kW4A8ExpandMinRows activation rows up on Hopper)
+// in a scratch buffer for the call's duration. Three kernels:
 //   wgmma (sm_90a): the converted weight tile is the register A operand of wgmma.m64n128k32
 //     (the FP8 weights never touch shared memory, only the packed ones), the activations the
 //     shared-memory B operand; computes y^T tiles and transposes them through shared memory in
 //     the epilogue. Partial sums are promoted to fp32 registers every 128 of K (Hopper's FP8
 //     wgmma accumulates at ~14 bits).
 //   wgmma_ws (sm_90a, w4a8_sm90_ws.cu): the same math, warp-specialized (TMA producer
-//     warpgroup, mbarrier ring, two consumer warpgroups, persistent tile scheduler).
+//     warpgroup, mbarrier ring, two consumer warpgroups, persistent tile scheduler); its e4m3
+//     instance takes weights that w4a8_expand.cu wrote as e4m3 first, as a shared-memory operand.
 //   mma.sync (sm_89+): m16n8k32 FP8 mma. Native on sm_89/sm_120; on sm_90 ptxas lowers FP8
 //     mma.sync to F2FP + two HMMA.16816 (fp16 rate), so Hopper uses the wgmma kernel.
 #pragma once
@@ -31,6 +33,14 @@ constexpr int kW4A8MinComputeCapability = 89;
 // per CTA one float32 partial of its 128 x 256 output tile.
 constexpr int64_t kW4A8FlagBytes = 4096;
 constexpr int64_t kW4A8SlotBytes = 128 * 256 * 4;
+// The e4m3 variants also expand the weights into the workspace's last N x K bytes (from a
+// 256-byte aligned address; the stream-K scratch is what lies before), so the workspace holds
+// N x K + kW4A8ExpandAlign bytes more.
+constexpr int64_t kW4A8ExpandAlign = 256;
+// kAuto runs the e4m3 variant from this many activation rows up (the expansion's cost, ~1.5
+// bytes of traffic a weight, is then a few percent of the GEMM's time); the Python wrapper
+// sizes the workspace by the same rule.
+constexpr int64_t kW4A8ExpandMinRows = 4096;
 
 struct W4A8Args {
   const uint8_t* x;            // float8_e4m3fn [M, K]
@@ -50,11 +60,16 @@ struct W4A8Args {
 };
 
 // Which kernel runs: kAuto picks wgmma_ws_cluster on compute capability 9.0 (wgmma_ws with
-// JAX_MILA_W4A8_CLUSTER=1), mma.sync otherwise.
+// JAX_MILA_W4A8_CLUSTER=1), or their e4m3 variants from kW4A8ExpandMinRows rows up, mma.sync
+// otherwise.
 // kWgmmaWs: the warp-specialized sm_90a kernel (TMA producer, persistent, stream-K for the tiles
 // of the last wave; w4a8_sm90_ws.cu); kWgmmaWsDp: the same kernel on whole tiles only (the
 // data-parallel schedule, for comparison); kWgmmaWsCluster: the same kernel on 2-CTA clusters
-// that share each activation tile through TMA multicast.
+// that share each activation tile through TMA multicast. kWgmmaWsE4m3 / kWgmmaWsE4m3Cluster:
+// the weights are first expanded to e4m3 in the workspace (LaunchW4A8ExpandWeights), and the
+// kWgmmaWs / kWgmmaWsCluster kernel takes them through TMA as its shared-memory A operand: no
+// conversion in the GEMM, each weight converted once per call instead of once per activation
+// tile (M / 256 times).
 enum class W4A8Variant : int {
   kAuto = 0,
   kMmaSync = 1,
@@ -62,7 +77,14 @@ enum class W4A8Variant : int {
   kWgmmaWs = 3,
   kWgmmaWsDp = 4,
   kWgmmaWsCluster = 5,
+  kWgmmaWsE4m3 = 6,
+  kWgmmaWsE4m3Cluster = 7,
 };
+constexpr int64_t kW4A8LastVariant = static_cast<int64_t>(W4A8Variant::kWgmmaWsE4m3Cluster);
+
+// What kAuto runs on a device of compute capability `cc` (10 * major + minor) for `m` activation
+// rows; any other variant as it is.
+W4A8Variant ResolveW4A8Variant(W4A8Variant variant, int cc, int64_t m);
 
 // Requires k % 128 == 0, n % 8 == 0, 16-byte aligned pointers for x, packed and out, and
 // compute capability >= 8.9 (`cc`, 10 * major + minor); the wgmma variants require cc == 90 and
@@ -80,8 +102,20 @@ const char* W4A8CodeProblem(W4A8Variant variant, int cc, int* compiled_for);
 
 // The kWgmmaWs kernel (w4a8_sm90_ws.cu); LaunchW4A8Matmul's checks apply, and cc must be 90.
 // stream_k: split the last wave's tiles along K over all SMs (needs args.workspace); cluster:
-// 1, or 2 for the multicast instance.
-cudaError_t LaunchW4A8WgmmaWs(const W4A8Args& args, bool stream_k, int cluster,
+// 1, or 2 for the multicast instance; e4m3: expand the weights into the workspace first and
+// run the shared-memory-A instance on them (cudaErrorInvalidValue if the workspace lacks
+// W4A8ExpandBytes).
+cudaError_t LaunchW4A8WgmmaWs(const W4A8Args& args, bool stream_k, int cluster, bool e4m3,
                               cudaStream_t stream);
+
+// Workspace bytes the e4m3 variants need beyond the stream-K scratch.
+inline int64_t W4A8ExpandBytes(int n, int k) {
+  return static_cast<int64_t>(n) * k + kW4A8ExpandAlign;
+}
+
+// MXFP4 weights (args.packed, scales, channel_exp; args.n x args.k) -> e4m3 [N, K] at `out`
+// (16-byte aligned), K in natural order: the bytes the wgmma kernels convert each word into
+// (w4a8_expand.cu). Any compute capability.
+cudaError_t LaunchW4A8ExpandWeights(const W4A8Args& args, uint8_t* out, cudaStream_t stream);
 
 }  // namespace mila

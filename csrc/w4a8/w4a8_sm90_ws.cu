@@ -51,6 +51,20 @@
 // exponents = 40.5 KiB; 5 stages (202.5 KiB, so that the producer stays 3 stages ahead of the
 // two a chain holds) + 2 x 9 KiB epilogue buffers + barriers = 223.6 KiB of the 227.
 //
+// The e4m3 instance (kE4m3; kernel="wgmma_ws_e4m3" and "wgmma_ws_e4m3_cluster"), on weights
+// that w4a8_expand.cu wrote as e4m3 [N, K] into the workspace before the launch: the producer's
+// thread loads them with TMA like the activations (128 x 128 B, 128-byte swizzle; no exponent
+// copies, one arrival per full barrier), and the consumers issue wgmma.m64n192k32 with both
+// operands in shared memory: no conversion and no fragments in registers. Its tile is 128 weight
+// rows x 192 activation rows: one n192 partial (96 registers) beside 96 masters, so a chain is
+// one batch of 8 wgmmas and one wait, and 5 stages of 40 KiB fit (24 KiB activations + 16 KiB
+// weights; 256 rows would leave room for 4 of 48, two stages of lookahead instead of three).
+// Each output element gets the same products in the same order as in the register-A instance.
+// Measured on the H200 (docs/performance.md, twenty-eighth round): ncu puts the tensor pipe at
+// 90% of the cycles on down (M = 16384) against 80% for the register-A instance and 93% for
+// cuBLASLt; the 256-row, 4-stage version ran 5-10% faster with its loads taken away
+// (MILA_W4A8_WS_TIMING_ONLY), one-tile chains (3 stages of lookahead) 7-11% slower.
+//
 // Sizes: K % 128 == 0 (an odd number of K tiles ends with a one-tile chain), N % 8 == 0 (weight
 // rows past N: TMA zero-fill -> zero weights; exponents zero-filled by cp.async), any M >= 1
 // (rows past M: TMA zero-fill, never stored), M < 2^31, N x K/32 < 2^31.
@@ -74,43 +88,61 @@ namespace {
 namespace ws {
 
 constexpr int kBN = 128;     // weight rows per tile (2 consumer warpgroups x 64)
-constexpr int kBM = 256;     // activation rows per tile
-constexpr int kHalfM = 128;  // activation rows per wgmma (n128)
 constexpr int kChainTiles = 2;  // K tiles per promotion chain (256 long)
-constexpr int kStages = 5;
 constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int kConsumerThreads = 256;
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
-constexpr int kXStage = kBM * kBK;          // 32 KiB, 1024-byte aligned (128B swizzle atoms)
-constexpr int kXHalf = kHalfM * kBK;        // activation row 128 (1024-byte aligned)
-constexpr int kWStage = kBN * kPackedTile;  // 8 KiB
-constexpr int kEStage = kBN * kKBlocks;     // 512 B
-constexpr int kWOffset = kStages * kXStage;
-constexpr int kEOffset = kWOffset + kStages * kWStage;
-constexpr int kOutOffset = kEOffset + kStages * kEStage;
 constexpr int kOutRows = 64;                // activation rows per epilogue pass
 constexpr int kOutPitch = 64 + 8;           // bf16 per staged row: conflict-free writes
 constexpr int kOutBytes = kOutRows * kOutPitch * 2;  // one consumer warpgroup's buffer
-// x_scale of the tile's 256 rows, per consumer warpgroup: copied in with cp.async at the tile's
-// start and read from shared memory in the epilogue (global loads there were hoisted by the
-// compiler, all 64 at once, and spilled; loaded at the epilogue, their latency was exposed).
-constexpr int kXsOffset = kOutOffset + 2 * kOutBytes;
-constexpr int kBarOffset = kXsOffset + 2 * kBM * 4;
-constexpr int kSmemBytes = kBarOffset + 2 * kStages * 8 + 1024;  // + alignment slack
-constexpr uint32_t kTxBytes = kXStage + kWStage;  // TMA bytes per stage (OOB fill counts)
-constexpr uint32_t kFullArrivals = 1 + 32;  // expect_tx arrive + one cp.async arrive per lane
 constexpr int kGroupM = 8;
-static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 static_assert(kConsumerThreads * kConsumerRegs + (kThreads - kConsumerThreads) * kProducerRegs <=
                   65536 / kThreads / 8 * 8 * kThreads,
               "setmaxnreg redistributes only the registers the CTA was launched with");
-static_assert(kOutBytes % 16 == 0 && kBarOffset % 8 == 0, "alignment");
-// The consumers load a row's packed words of one stage with one 16-byte load per quad column
-// and its exponents with one 4-byte load.
-static_assert(kKBlocks == 4 && kPackedTile == 4 * 16 && (kWOffset | kWStage) % 16 == 0 &&
-                  (kEOffset | kEStage) % 4 == 0,
-              "alignment of the consumers' weight loads");
+
+// Tiles and shared memory of the two instances. Activation rows per tile: 256, two n128 halves
+// of wgmmas, or (kE4m3) 192 in one n192 part, whose partial sum of 96 registers fits beside 96
+// masters (one promotion wait per chain instead of two). A stage holds the activation tile
+// (32 or 24 KiB) and the weight tile: packed codes (8 KiB) and block exponents (512 B) that the
+// consumers convert into register A fragments, or (kE4m3) the expanded e4m3 weights (16 KiB,
+// 128-byte rows in the 128-byte swizzle: the shared-memory A operand). 5 stages of 40.5 or 40
+// KiB (256 activation rows with e4m3 weights would leave room for 4 of 48).
+template <bool kE4m3>
+struct Smem {
+  static constexpr int kBM = kE4m3 ? 192 : 256;  // activation rows per tile
+  static constexpr int kWgN = kE4m3 ? 192 : 128;  // activation rows per wgmma (its N)
+  static constexpr int kParts = kBM / kWgN;       // wgmma batches (partial sums) per chain
+  static constexpr int kStages = 5;
+  static constexpr int kXStage = kBM * kBK;       // 1024-byte aligned (128B swizzle atoms)
+  static constexpr int kXHalf = kBM / 2 * kBK;    // kCluster 2: each CTA's multicast half
+  static constexpr int kWStage = kE4m3 ? kBN * kBK : kBN * kPackedTile;
+  static constexpr int kEStage = kE4m3 ? 0 : kBN * kKBlocks;
+  static constexpr int kWOffset = kStages * kXStage;
+  static constexpr int kEOffset = kWOffset + kStages * kWStage;
+  static constexpr int kOutOffset = kEOffset + kStages * kEStage;
+  // x_scale of the tile's 256 rows, per consumer warpgroup: copied in with cp.async at the
+  // tile's start and read from shared memory in the epilogue (global loads there were hoisted
+  // by the compiler, all 64 at once, and spilled; loaded at the epilogue, their latency was
+  // exposed).
+  static constexpr int kXsOffset = kOutOffset + 2 * kOutBytes;
+  static constexpr int kBarOffset = kXsOffset + 2 * kBM * 4;
+  static_assert(kXStage % 1024 == 0 && kXHalf % 1024 == 0 && kBM % kOutRows == 0, "tiles");
+  static constexpr int kBytes = kBarOffset + 2 * kStages * 8 + 1024;  // + alignment slack
+  static constexpr uint32_t kTxBytes = kXStage + kWStage;  // TMA bytes per stage (OOB fill counts)
+  // The producer's expect_tx arrive, and one cp.async arrive per lane of its warp for the
+  // exponents.
+  static constexpr uint32_t kFullArrivals = kE4m3 ? 1 : 1 + 32;
+  static_assert(kBytes <= 227 * 1024, "shared memory");
+  static_assert(kOutBytes % 16 == 0 && kBarOffset % 8 == 0, "alignment");
+  // kE4m3: the A tiles start on 1024-byte swizzle atoms. Otherwise the consumers load a row's
+  // packed words of one stage with one 16-byte load per quad column and its exponents with one
+  // 4-byte load.
+  static_assert(kE4m3 ? (kWOffset | kWStage) % 1024 == 0
+                      : kKBlocks == 4 && kPackedTile == 4 * 16 && (kWOffset | kWStage) % 16 == 0 &&
+                            (kEOffset | kEStage) % 4 == 0,
+                "alignment of the weight tiles");
+};
 
 // ---- PTX (sm_90a) ---------------------------------------------------------------------------
 
@@ -145,7 +177,8 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   }
 }
 
-// Stage and parity of a pipeline step.
+// Stage and parity of a pipeline step in a ring of kStages.
+template <int kStages>
 struct RingPos {
   uint32_t stage = 0, phase = 0;
   __device__ __forceinline__ void advance() {
@@ -300,17 +333,25 @@ __device__ uint32_t g_convert_twice_zero = 0;
 // consumers, so by then each of its multicasts has landed in both CTAs and every remote
 // arrival on its barriers has been made; nothing else crosses CTAs. (A barrier.cluster at
 // the end of the consumers' path made ptxas spill ~1.3 KB of their registers.)
-template <typename OutT, bool kInterleave, int kCluster>
+//
+// kE4m3 (kernel="wgmma_ws_e4m3", "wgmma_ws_e4m3_cluster"): tmap_w maps the weights expanded to
+// e4m3 [N, K] (w4a8_expand.cu), which the producer loads like the activations, and each
+// consumer issues its wgmmas with A from shared memory (its 64 rows of the stage's weight
+// tile): no conversion, no exponent copies, and the same products summed in the same order as
+// the register-A instance, so the two give equal outputs.
+template <typename OutT, bool kInterleave, int kCluster, bool kE4m3>
 __global__ void __launch_bounds__(kThreads, 1)
     w4a8_wgmma_ws_kernel(const __grid_constant__ CUtensorMap tmap_x,
                          const __grid_constant__ CUtensorMap tmap_w, const W4A8Args args,
                          const Schedule sched) {
 #if defined(__CUDA_ARCH__) && defined(MILA_HAS_SM90A)
+  using L = Smem<kE4m3>;
+  constexpr int kStages = L::kStages, kBM = L::kBM, kXStage = L::kXStage;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_base = ptx::smem_addr(smem_raw);
   const uint32_t smem_base = (raw_base + 1023u) & ~1023u;
   uint8_t* smem = smem_raw + (smem_base - raw_base);
-  const uint32_t full_bar = smem_base + kBarOffset;  // stage s: + 8 s
+  const uint32_t full_bar = smem_base + L::kBarOffset;  // stage s: + 8 s
   const uint32_t empty_bar = full_bar + 8 * kStages;
 
   const int tid = threadIdx.x;
@@ -324,7 +365,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      ptx::sm90::mbar_init(full_bar + 8 * s, kFullArrivals);
+      ptx::sm90::mbar_init(full_bar + 8 * s, L::kFullArrivals);
       // Every consumer thread of this CTA, and (kCluster 2) one lane per consumer warp of the
       // other CTA.
       ptx::sm90::mbar_init(empty_bar + 8 * s, kConsumerThreads + (kCluster - 1) * 8);
@@ -343,8 +384,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid < 128) {
     // ---------------- producer ----------------
     ptx::sm90::setmaxnreg_dec<kProducerRegs>();
-    if (tid >= 32) return;
-    RingPos pos;
+    if (tid >= (kE4m3 ? 1 : 32)) return;  // one thread issues the TMA, a warp the cp.async
+    RingPos<kStages> pos;
 #ifdef MILA_W4A8_WS_TIMING_ONLY
     bool timing_only_filled = false;
 #endif
@@ -356,7 +397,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int n0 = (tn * kCluster + cta_rank<kCluster>()) * kBN;
       // Byte offset of this lane's first exponent row of the tile (rows tid + 32 i below;
       // 32-bit: the launcher refuses N * K / 32 >= 2^31, and the producer has 24 registers).
-      const uint32_t lane_scales = static_cast<uint32_t>(n0 + tid) * static_cast<uint32_t>(K / 32);
+      [[maybe_unused]] const uint32_t lane_scales =
+          static_cast<uint32_t>(n0 + tid) * static_cast<uint32_t>(K / 32);
       for (int kt = piece.k0; kt < piece.k1; ++kt, pos.advance()) {
         const uint32_t s = pos.stage;
         // A fresh barrier counts as having completed the pass before pass 0 (parity 1), so the
@@ -369,33 +411,36 @@ __global__ void __launch_bounds__(kThreads, 1)
         // left is the kernel without its loads (docs/performance.md: feeding against structure).
         if (timing_only_filled) {
           ptx::sm90::mbar_arrive(fb);
-          if (tid == 0) ptx::sm90::mbar_arrive(fb);
+          if (!kE4m3 && tid == 0) ptx::sm90::mbar_arrive(fb);
           continue;
         }
         timing_only_filled = s == kStages - 1;
 #endif
         if (tid == 0) {
-          ptx::sm90::mbar_arrive_expect_tx(fb, kTxBytes);
+          ptx::sm90::mbar_arrive_expect_tx(fb, L::kTxBytes);
           if constexpr (kCluster == 1) {
             ptx::sm90::tma_load_2d(smem_base + s * kXStage, &tmap_x, fb, kt * kBK, tm * kBM);
           } else {  // this CTA's half of the activation rows, into both CTAs
             const int rank = cta_rank<kCluster>();
-            ptx::sm90::tma_load_2d_multicast(smem_base + s * kXStage + rank * kXHalf, &tmap_x, fb,
-                                             kt * kBK, tm * kBM + rank * kHalfM, 0x3);
+            ptx::sm90::tma_load_2d_multicast(smem_base + s * kXStage + rank * L::kXHalf, &tmap_x,
+                                             fb, kt * kBK, tm * kBM + rank * (kBM / 2), 0x3);
           }
-          ptx::sm90::tma_load_2d(smem_base + kWOffset + s * kWStage, &tmap_w, fb, kt * kPackedTile,
-                                 n0);
+          ptx::sm90::tma_load_2d(smem_base + L::kWOffset + s * L::kWStage, &tmap_w, fb,
+                                 kt * (kE4m3 ? kBK : kPackedTile), n0);
         }
-        // Exponents of weight rows tid + 32 i; rows past N are zero-filled (zero weights).
+        if constexpr (!kE4m3) {
+          // Exponents of weight rows tid + 32 i; rows past N are zero-filled (zero weights).
 #pragma unroll
-        for (int i = 0; i < kBN / 32; ++i) {
-          const int row = tid + 32 * i;
-          const bool valid = n0 + row < N;
-          const uint8_t* src =
-              args.scales + (valid ? lane_scales + 32u * i * (K / 32) + kt * kKBlocks : 0u);
-          ptx::w4a8::cp_async_4(smem_base + kEOffset + s * kEStage + row * kKBlocks, src, valid);
+          for (int i = 0; i < kBN / 32; ++i) {
+            const int row = tid + 32 * i;
+            const bool valid = n0 + row < N;
+            const uint8_t* src =
+                args.scales + (valid ? lane_scales + 32u * i * (K / 32) + kt * kKBlocks : 0u);
+            ptx::w4a8::cp_async_4(smem_base + L::kEOffset + s * L::kEStage + row * kKBlocks, src,
+                                  valid);
+          }
+          ptx::sm90::cp_async_mbar_arrive(fb);
         }
-        ptx::sm90::cp_async_mbar_arrive(fb);
       }
     }
     // Producer tail (as CUTLASS's producer_tail): acquire the next kStages steps, i.e. wait
@@ -435,7 +480,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
 
-  RingPos pos;
+  RingPos<kStages> pos;
   for (int cursor = first_piece<kCluster>(sched); cursor >= 0;) {
     const Piece piece = piece_at<kCluster>(sched, kt_count, cursor);
     int tm, tn;
@@ -455,9 +500,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // does not wait for them (rows >= M: zeros). Every thread of this warpgroup has passed the
     // previous tile's last read of s_xs (the barrier before its stores) before getting here.
     if constexpr (!std::is_same_v<OutT, float>) if (stores_tile) {
-      const uint32_t s_xs_addr = smem_base + kXsOffset + cw * kBM * 4;
+      const uint32_t s_xs_addr = smem_base + L::kXsOffset + cw * kBM * 4;
 #pragma unroll
-      for (int i = 0; i < kBM / 128; ++i) {
+      for (int i = 0; i < (kBM + 127) / 128; ++i) {
+        if (kBM % 128 != 0 && wtid + 128 * i >= kBM) break;
         const int64_t row = m0 + wtid + 128 * i;
         ptx::w4a8::cp_async_4(s_xs_addr + (wtid + 128 * i) * 4,
                               args.x_scale + (row < M ? row : 0), row < M);
@@ -479,8 +525,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // A warp reads 512 contiguous bytes per row half (four 128-byte wavefronts, no conflicts)
     // and 8 exponent words, each broadcast to its quad.
     auto load_rows = [&](uint32_t s, RowWords (&r)[2]) {
-      const uint8_t* sw = smem + kWOffset + s * kWStage;
-      const uint8_t* se = smem + kEOffset + s * kEStage;
+      const uint8_t* sw = smem + L::kWOffset + s * L::kWStage;
+      const uint8_t* se = smem + L::kEOffset + s * L::kEStage;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = wrow0 + 8 * h;
@@ -517,68 +563,102 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     };
 
-    // Master sums, m64n256 layout: acc[64 h + i] = half h's partial[i].
-    float acc[128];
+    // Master sums, m64 x kBM layout: acc[kWgN / 2 * h + i] = part h's partial[i].
+    constexpr int kPart = L::kWgN / 2;  // registers of one partial sum
+    float acc[kBM / 2];
 #pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    for (int i = 0; i < kBM / 2; ++i) acc[i] = 0.f;
 
-    // One promotion chain: kChain consecutive K tiles (the next kChain steps), per n128 half of
-    // the activation rows 4 kChain wgmmas into a fresh partial sum, waited for and added into
-    // the masters. Two tiles per chain halve the waits and adds per wgmma: the tensor cores
-    // idle while a warpgroup drains, adds and reissues, and a 4-wgmma batch (~256 cycles) of
-    // the other warpgroup did not cover that (benchmarks/wgmma_loop.py: 1,437 TFLOP/s promoted
-    // per tile against 1,943 unpromoted). The chain's weight blocks are converted into their
-    // own registers first (or, kInterleave, each just before its first-half wgmma, behind its
-    // own fence: see the kernel's template parameter for why that is no longer the default);
-    // the second half reuses the fragments.
+    // One promotion chain: kChain consecutive K tiles (the next kChain steps), per part of the
+    // activation rows (two n128 halves; kE4m3: one n192) 4 kChain wgmmas into a fresh partial
+    // sum, waited for and added into the masters. Two tiles per chain halve the waits and adds
+    // per wgmma: the tensor cores idle while a warpgroup drains, adds and reissues, and a
+    // 4-wgmma batch (~256 cycles) of the other warpgroup did not cover that
+    // (benchmarks/wgmma_loop.py: 1,437 TFLOP/s promoted per tile against 1,943 unpromoted; the
+    // e4m3 instance with one-tile chains: -7 to -11%). The chain's weight blocks are converted
+    // into their own registers first (or, kInterleave, each just before its first-half wgmma,
+    // behind its own fence: see the kernel's template parameter for why that is no longer the
+    // default); the second half reuses the fragments.
     auto chain = [&](auto tiles_in_chain) {
       constexpr int kChain = decltype(tiles_in_chain)::value;
-      uint32_t a[kChain][kKBlocks][4];
       uint32_t st[kChain], sx[kChain];
-      float part[64];  // never read before written (scale-d = 0 on each half's first wgmma)
-#pragma unroll
-      for (int c = 0; c < kChain; ++c, pos.advance()) {
-        st[c] = pos.stage;
-        sx[c] = smem_base + st[c] * kXStage;
-        mbar_wait(full_bar + 8 * st[c], pos.phase);
-        RowWords rows[2];
-        load_rows(st[c], rows);
-#pragma unroll
-        for (int kb = 0; kb < kKBlocks; ++kb) {
-          convert(rows, kb, a[c][kb]);
-          if constexpr (kInterleave) {
-            ptx::sm90::wgmma_fence();  // the fragment's registers were just written
-            const uint64_t desc = ptx::sm90::desc_k128b(sx[c] + kb * 32);
-            if (c == 0 && kb == 0)
-              ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[c][kb], desc);
-            else
-              ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a[c][kb], desc);
-          }
-        }
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (h == 1 || !kInterleave) {
-          ptx::sm90::wgmma_fence();
-          wgmma_chain_half(part, a, [&](int c, int kb) {
-            return ptx::sm90::desc_k128b(sx[c] + h * kXHalf + kb * 32);
-          });
-        }
+      float part[kPart];  // never read before written (scale-d = 0 on a part's first wgmma)
+      // Part h's wgmmas are issued: wait for them and add their partial into the masters.
+      auto promote = [&](int h) {
         ptx::sm90::wgmma_commit();
         ptx::sm90::wgmma_wait<0>();
 #pragma unroll
-        for (int i = 0; i < 64; ++i) ptx::sm90::fence_operand(part[i]);
+        for (int i = 0; i < kPart; ++i) ptx::sm90::fence_operand(part[i]);
 #pragma unroll
-        for (int i = 0; i < 64; ++i) acc[64 * h + i] += part[i];
-      }
+        for (int i = 0; i < kPart; ++i) acc[kPart * h + i] += part[i];
+      };
+      if constexpr (kE4m3) {
 #pragma unroll
-      for (int c = 0; c < kChain; ++c) {
+        for (int c = 0; c < kChain; ++c, pos.advance()) {
+          st[c] = pos.stage;
+          sx[c] = smem_base + st[c] * kXStage;
+          mbar_wait(full_bar + 8 * st[c], pos.phase);
+        }
+        // This warpgroup's 64 weight rows of a stage: 8 KiB in, on a swizzle atom.
+        const uint32_t sw = smem_base + L::kWOffset + cw * 64 * kBK;
+        static_assert(L::kParts == 1 && L::kWgN == 192, "one n192 part");
+        ptx::sm90::wgmma_fence();
 #pragma unroll
-        for (int kb = 0; kb < kKBlocks; ++kb)
+        for (int c = 0; c < kChain; ++c)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) ptx::sm90::fence_operand(a[c][kb][e]);
-        // Both halves retired and the packed rows were read above: the stage may be refilled.
-        release(st[c]);
+          for (int kb = 0; kb < kKBlocks; ++kb) {
+            const uint64_t da = ptx::sm90::desc_k128b(sw + st[c] * L::kWStage + kb * 32);
+            const uint64_t db = ptx::sm90::desc_k128b(sx[c] + kb * 32);
+            if (c == 0 && kb == 0)
+              ptx::w4a8::wgmma_m64n192k32_e4m3_ss<false>(part, da, db);
+            else
+              ptx::w4a8::wgmma_m64n192k32_e4m3_ss<true>(part, da, db);
+          }
+        promote(0);
+        // The chain's wgmmas retired: the stages may be refilled.
+#pragma unroll
+        for (int c = 0; c < kChain; ++c) release(st[c]);
+      } else {
+        uint32_t a[kChain][kKBlocks][4];
+#pragma unroll
+        for (int c = 0; c < kChain; ++c, pos.advance()) {
+          st[c] = pos.stage;
+          sx[c] = smem_base + st[c] * kXStage;
+          mbar_wait(full_bar + 8 * st[c], pos.phase);
+          RowWords rows[2];
+          load_rows(st[c], rows);
+#pragma unroll
+          for (int kb = 0; kb < kKBlocks; ++kb) {
+            convert(rows, kb, a[c][kb]);
+            if constexpr (kInterleave) {
+              ptx::sm90::wgmma_fence();  // the fragment's registers were just written
+              const uint64_t desc = ptx::sm90::desc_k128b(sx[c] + kb * 32);
+              if (c == 0 && kb == 0)
+                ptx::w4a8::wgmma_m64n128k32_e4m3_rs<false>(part, a[c][kb], desc);
+              else
+                ptx::w4a8::wgmma_m64n128k32_e4m3_rs<true>(part, a[c][kb], desc);
+            }
+          }
+        }
+#pragma unroll
+        for (int h = 0; h < L::kParts; ++h) {
+          if (h == 1 || !kInterleave) {
+            ptx::sm90::wgmma_fence();
+            wgmma_chain_half(part, a, [&](int c, int kb) {
+              return ptx::sm90::desc_k128b(sx[c] + h * L::kWgN * kBK + kb * 32);
+            });
+          }
+          promote(h);
+        }
+#pragma unroll
+        for (int c = 0; c < kChain; ++c) {
+#pragma unroll
+          for (int kb = 0; kb < kKBlocks; ++kb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ptx::sm90::fence_operand(a[c][kb][e]);
+          // Both halves retired and the packed rows were read above: the stage may be refilled.
+          release(st[c]);
+        }
       }
     };
     // Counted down: one register across the chains (the piece's bounds are not held).
@@ -594,7 +674,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // This CTA's first stream-K piece: publish the partial sums for the tile's owner.
       float4* slot = sk_slot(args, blockIdx.x, cw, wtid);
 #pragma unroll
-      for (int j = 0; j < 32; ++j)
+      for (int j = 0; j < kBM / 8; ++j)
         __stcg(slot + 128 * j, make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2],
                                            acc[4 * j + 3]));
       ptx::named_barrier_sync(1 + cw, 128);  // the whole warpgroup's stores, then the release
@@ -610,7 +690,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         wait_flag(sk_flag(args, c, cw));
         const float4* slot = sk_slot(args, c, cw, wtid);
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
+        for (int j = 0; j < kBM / 8; ++j) {
           const float4 v = __ldcg(slot + 128 * j);
           acc[4 * j] += v.x;
           acc[4 * j + 1] += v.y;
@@ -628,15 +708,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       store_f32_tile<kBM>(acc, static_cast<float*>(args.out), args.x_scale, m0, M, n0, wrow0,
                           N, ws0, ws1, q);
     } else {
-      const uint8_t* so = smem + kOutOffset + cw * kOutBytes;
-      const float* s_xs = reinterpret_cast<const float*>(smem + kXsOffset + cw * kBM * 4);
+      const uint8_t* so = smem + L::kOutOffset + cw * kOutBytes;
+      const float* s_xs = reinterpret_cast<const float*>(smem + L::kXsOffset + cw * kBM * 4);
       const int bar_id = 1 + cw;  // named barrier of this warpgroup (0 is __syncthreads)
       // Staged through shared memory with stmatrix.trans: the accumulator is y^T (weight rows
       // x activation rows) and the output row-major y, so each 8 x 8 block is transposed on the
       // way (16 stmatrix per thread and tile instead of 128 two-byte stores). Lane l gives the
       // address of row l % 8 of matrix l / 8 = (activation block l / 16, weight half l / 8 % 2).
       const int mi = lane / 8, mr = lane % 8;
-      const uint32_t st_addr = smem_base + kOutOffset + cw * kOutBytes +
+      const uint32_t st_addr = smem_base + L::kOutOffset + cw * kOutBytes +
                                ((8 * (mi / 2) + mr) * kOutPitch + wwarp * 16 + 8 * (mi % 2)) * 2;
       ptx::cp_async_wait<0>();  // this thread's row scales (staged at the tile start)
 #pragma unroll
@@ -722,8 +802,11 @@ Schedule PlanSchedule(int64_t tiles, int kt_count, int units, int64_t sk_max) {
   return s;
 }
 
-template <typename OutT, int kCluster>
+// kE4m3: the weights expanded to e4m3 at the workspace's end (W4A8ExpandBytes), the stream-K
+// scratch before them.
+template <typename OutT, int kCluster, bool kE4m3>
 cudaError_t LaunchTyped(const W4A8Args& args, bool stream_k, cudaStream_t stream) {
+  constexpr int kBM = Smem<kE4m3>::kBM;
   // TMA coordinates are int32; tile counts fit an int.
   if (args.m > INT32_MAX - kBM) return cudaErrorInvalidConfiguration;
   // Output tiles of the schedule: one weight tile each, or (kCluster 2) a pair.
@@ -734,15 +817,27 @@ cudaError_t LaunchTyped(const W4A8Args& args, bool stream_k, cudaStream_t stream
   // packed weights before this matters).
   if (static_cast<int64_t>(args.n) * (args.k / 32) > INT32_MAX)
     return cudaErrorInvalidConfiguration;
+  int64_t scratch_bytes = args.workspace != nullptr ? args.workspace_bytes : 0;
+  uint8_t* weights_e4m3 = nullptr;
+  if constexpr (kE4m3) {
+    if (scratch_bytes < W4A8ExpandBytes(args.n, args.k)) return cudaErrorInvalidValue;
+    const auto base = reinterpret_cast<uintptr_t>(args.workspace);
+    const uintptr_t e4m3 = (base + scratch_bytes - static_cast<int64_t>(args.n) * args.k) &
+                           ~static_cast<uintptr_t>(kW4A8ExpandAlign - 1);
+    weights_e4m3 = reinterpret_cast<uint8_t*>(e4m3);
+    scratch_bytes = static_cast<int64_t>(e4m3 - base);
+  }
   CUtensorMap tmap_x, tmap_w;
   // kCluster 2: each CTA multicasts half of the activation rows of a stage.
   cudaError_t err = EncodeMap(&tmap_x, args.x, static_cast<uint64_t>(args.m),
                               static_cast<uint64_t>(args.k), kBM / kCluster, kBK,
                               CU_TENSOR_MAP_SWIZZLE_128B);
   if (err != cudaSuccess) return err;
-  err = EncodeMap(&tmap_w, args.packed, static_cast<uint64_t>(args.n),
-                  static_cast<uint64_t>(args.k / 2), kBN, kPackedTile,
-                  CU_TENSOR_MAP_SWIZZLE_NONE);
+  err = kE4m3 ? EncodeMap(&tmap_w, weights_e4m3, static_cast<uint64_t>(args.n),
+                          static_cast<uint64_t>(args.k), kBN, kBK, CU_TENSOR_MAP_SWIZZLE_128B)
+              : EncodeMap(&tmap_w, args.packed, static_cast<uint64_t>(args.n),
+                          static_cast<uint64_t>(args.k / 2), kBN, kPackedTile,
+                          CU_TENSOR_MAP_SWIZZLE_NONE);
   if (err != cudaSuccess) return err;
   // Not stream operations: allowed while a CUDA graph is being captured.
   int device = 0, sms = 0;
@@ -753,9 +848,10 @@ cudaError_t LaunchTyped(const W4A8Args& args, bool stream_k, cudaStream_t stream
     const char* v = std::getenv("JAX_MILA_W4A8_WS_CONVERT");
     return v != nullptr && std::string_view(v) == "interleaved";
   }();
-  auto kernel = kCluster == 2  ? w4a8_wgmma_ws_kernel<OutT, false, kCluster>
-                : interleave ? w4a8_wgmma_ws_kernel<OutT, true, 1>
-                             : w4a8_wgmma_ws_kernel<OutT, false, 1>;
+  constexpr int kSmemBytes = Smem<kE4m3>::kBytes;
+  auto kernel = kCluster == 2 || kE4m3 ? w4a8_wgmma_ws_kernel<OutT, false, kCluster, kE4m3>
+                : interleave          ? w4a8_wgmma_ws_kernel<OutT, true, 1, false>
+                                      : w4a8_wgmma_ws_kernel<OutT, false, 1, false>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
   // The grid is set below, once the schedule is known.
@@ -777,10 +873,9 @@ cudaError_t LaunchTyped(const W4A8Args& args, bool stream_k, cudaStream_t stream
       cluster_units[device].store(units, std::memory_order_relaxed);
     }
   }
-  const int64_t slots =
-      stream_k && args.workspace != nullptr && args.workspace_bytes > kW4A8FlagBytes
-          ? (args.workspace_bytes - kW4A8FlagBytes) / kW4A8SlotBytes
-          : 0;
+  const int64_t slots = stream_k && scratch_bytes > kW4A8FlagBytes
+                            ? (scratch_bytes - kW4A8FlagBytes) / kW4A8SlotBytes
+                            : 0;
   const Schedule sched = PlanSchedule(tiles, args.k / kBK, units,
                                       std::min<int64_t>(slots, kMaxStreamKCtas) / kCluster);
   if (sched.sk_units > 0) {
@@ -793,20 +888,27 @@ cudaError_t LaunchTyped(const W4A8Args& args, bool stream_k, cudaStream_t stream
   const int64_t grid_units =
       sched.dp_tiles > 0 ? std::min<int64_t>(tiles, units) : std::max(sched.sk_units, 1);
   cfg.gridDim = dim3(static_cast<unsigned>(kCluster * grid_units));
+  if constexpr (kE4m3) {
+    if ((err = LaunchW4A8ExpandWeights(args, weights_e4m3, stream)) != cudaSuccess) return err;
+  }
   return cudaLaunchKernelEx(&cfg, kernel, tmap_x, tmap_w, args, sched);
 }
 
 }  // namespace ws
 }  // namespace
 
-cudaError_t LaunchW4A8WgmmaWs(const W4A8Args& args, bool stream_k, int cluster,
+cudaError_t LaunchW4A8WgmmaWs(const W4A8Args& args, bool stream_k, int cluster, bool e4m3,
                               cudaStream_t stream) {
-  if (cluster == 2) {
-    return args.out_f32 ? ws::LaunchTyped<float, 2>(args, stream_k, stream)
-                        : ws::LaunchTyped<__nv_bfloat16, 2>(args, stream_k, stream);
-  }
-  return args.out_f32 ? ws::LaunchTyped<float, 1>(args, stream_k, stream)
-                      : ws::LaunchTyped<__nv_bfloat16, 1>(args, stream_k, stream);
+  auto launch = [&](auto cluster_size, auto expand) {
+    constexpr int kCluster = decltype(cluster_size)::value;
+    constexpr bool kE4m3 = decltype(expand)::value;
+    return args.out_f32 ? ws::LaunchTyped<float, kCluster, kE4m3>(args, stream_k, stream)
+                        : ws::LaunchTyped<__nv_bfloat16, kCluster, kE4m3>(args, stream_k, stream);
+  };
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  if (e4m3) return cluster == 2 ? launch(Two{}, std::true_type{}) : launch(One{}, std::true_type{});
+  return cluster == 2 ? launch(Two{}, std::false_type{}) : launch(One{}, std::false_type{});
 }
 
 }  // namespace mila

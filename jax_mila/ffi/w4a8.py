@@ -22,10 +22,17 @@ tiles only (its schedule before stream-K, kept for comparison). "wgmma_ws_cluste
 on clusters of two CTAs that compute adjacent weight tiles of one activation tile and share it
 through TMA multicast (each CTA reads 24 KiB per K tile from L2 instead of 40: at the board's
 power limit that is energy saved; docs/performance.md, sixteenth and seventeenth rounds).
-"auto" (default) runs wgmma_ws_cluster on compute capability 9.0 when this build has sm_90a code
-(JAX_MILA_CUDA_ARCHS includes 90a, the default), mma_sync otherwise; JAX_MILA_W4A8_CLUSTER=1
-(read once per process) makes it wgmma_ws; ``auto_kernel()`` says which one for this process
-(AUTO_WGMMA_ON_SM90 = False turns the wgmma choice off). Hopper's FP8 wgmma accumulates at
+"wgmma_ws_e4m3" and "wgmma_ws_e4m3_cluster" are those two on weights expanded to e4m3 first: a
+small kernel writes the call's weights as e4m3 [N, K] (the same bytes the others convert each
+weight word into) into the scratch, and the GEMM takes them through TMA as its shared-memory
+wgmma operand, with no conversion in its loop. Each weight is then converted once per call
+instead of once per 256 activation rows, for 1.5 bytes of extra memory traffic per weight and
+N x K bytes of scratch while the call runs (118 MB for the 12B's gate+up); the weights stay
+4-bit between calls. "auto" (default) runs wgmma_ws_cluster on compute capability 9.0 when this
+build has sm_90a code (JAX_MILA_CUDA_ARCHS includes 90a, the default), wgmma_ws_e4m3_cluster
+there from EXPAND_MIN_ROWS rows up, mma_sync otherwise; JAX_MILA_W4A8_CLUSTER=1 (read once per
+process) makes them wgmma_ws and wgmma_ws_e4m3; ``auto_kernel(m)`` says which one for this
+process (AUTO_WGMMA_ON_SM90 = False turns the wgmma choice off). Hopper's FP8 wgmma accumulates at
 reduced precision (~14 bits, truncated); both wgmma kernels therefore sum every K chunk (128
 long in wgmma, 256 in wgmma_ws) in a fresh accumulator and add it into float32 registers
 (DeepGEMM-style promotion), so the error no longer grows with K: relative Frobenius error
@@ -76,7 +83,13 @@ N_MULTIPLE = 8  # 16-byte output rows per store group
 MIN_COMPUTE_CAPABILITY = (8, 9)  # FP8 mma.sync
 OUT_DTYPES = (jnp.bfloat16, jnp.float32)
 KERNELS = {"auto": 0, "mma_sync": 1, "wgmma": 2, "wgmma_ws": 3,  # the handler's `variant`
-           "wgmma_ws_dp": 4, "wgmma_ws_cluster": 5}
+           "wgmma_ws_dp": 4, "wgmma_ws_cluster": 5, "wgmma_ws_e4m3": 6,
+           "wgmma_ws_e4m3_cluster": 7}
+# Variants that expand the weights into the scratch, and from how many rows "auto" picks them on
+# Hopper (csrc/w4a8/w4a8_kernel.h, kW4A8ExpandMinRows); 256: the expanded weights' alignment.
+_EXPAND_KERNELS = ("wgmma_ws_e4m3", "wgmma_ws_e4m3_cluster")
+EXPAND_MIN_ROWS = 4096
+_EXPAND_ALIGN = 256
 # wgmma_ws's stream-K scratch (csrc/w4a8/w4a8_kernel.h): 4096 bytes of flags, then one float32
 # 128 x 256 partial tile per SM. A second result of the custom call, so that XLA plans it.
 _SK_FLAG_BYTES = 4096
@@ -93,24 +106,31 @@ def _wgmma_built() -> bool:
     return any(a.strip().split("-")[0] == "90a" for a in archs.split(","))
 
 
-def _hopper_auto_kernel() -> str:
-    """What the handler runs for "auto" on a 9.0 device (csrc/w4a8/w4a8.cu, HopperAutoVariant,
-    which reads the same variable once per process)."""
-    return "wgmma_ws" if os.environ.get("JAX_MILA_W4A8_CLUSTER") == "1" else "wgmma_ws_cluster"
+def _hopper_auto_kernel(m: int) -> str:
+    """What the handler runs for "auto" on a 9.0 device for m activation rows (csrc/w4a8/w4a8.cu,
+    ResolveW4A8Variant; it reads the same variable once per process)."""
+    single = os.environ.get("JAX_MILA_W4A8_CLUSTER") == "1"
+    if m >= EXPAND_MIN_ROWS:
+        return "wgmma_ws_e4m3" if single else "wgmma_ws_e4m3_cluster"
+    return "wgmma_ws" if single else "wgmma_ws_cluster"
 
 
-def auto_kernel() -> str:
-    """The kernel that kernel="auto" runs in this process: "wgmma_ws_cluster" ("wgmma_ws" with
-    JAX_MILA_W4A8_CLUSTER=1) when every GPU is compute capability 9.0 and the build has sm_90a
-    code, "mma_sync" otherwise (with several GPU kinds the handler picks per device)."""
+def auto_kernel(m: int = 1) -> str:
+    """The kernel that kernel="auto" runs in this process for m activation rows:
+    "wgmma_ws_cluster" ("wgmma_ws" with JAX_MILA_W4A8_CLUSTER=1), or from EXPAND_MIN_ROWS rows
+    up "wgmma_ws_e4m3_cluster" ("wgmma_ws_e4m3"), when every GPU is compute capability 9.0 and
+    the build has sm_90a code, "mma_sync" otherwise (with several GPU kinds the handler picks
+    per device)."""
     caps = cuda_capabilities()
     hopper = bool(caps) and all(c == (9, 0) for c in caps)
-    return _hopper_auto_kernel() if AUTO_WGMMA_ON_SM90 and hopper and _wgmma_built() else "mma_sync"
+    if AUTO_WGMMA_ON_SM90 and hopper and _wgmma_built():
+        return _hopper_auto_kernel(m)
+    return "mma_sync"
 
 
 # Kernels that run only sm_90a code on compute capability 9.0 (the handler refuses them
 # elsewhere; a build without 90a holds no code that runs them).
-_WGMMA_KERNELS = ("wgmma", "wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster")
+_WGMMA_KERNELS = ("wgmma", "wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster") + _EXPAND_KERNELS
 
 
 def _check_kernel_runs(kernel: str) -> None:
@@ -172,20 +192,29 @@ def _validate(x, x_scale, w, out_dtype, kernel) -> None:
     _check_kernel_runs(kernel)
 
 
-def _workspace_bytes(variant: int) -> int:
-    """Scratch for the handler: one stream-K slot per SM where wgmma_ws may run, else a token."""
-    if variant not in (KERNELS["auto"], KERNELS["wgmma_ws"], KERNELS["wgmma_ws_cluster"]):
+def _workspace_bytes(variant: int, m: int = 1, n: int = 0, k: int = 0) -> int:
+    """Scratch for the handler: one stream-K slot per SM where wgmma_ws may run, then the
+    expanded e4m3 weights (N x K, 256-byte aligned) where an e4m3 variant may run (named, or
+    "auto" from EXPAND_MIN_ROWS rows up), else a token."""
+    stream_k = (KERNELS["auto"], KERNELS["wgmma_ws"], KERNELS["wgmma_ws_cluster"],
+                KERNELS["wgmma_ws_e4m3"], KERNELS["wgmma_ws_e4m3_cluster"])
+    if variant not in stream_k:
         return 16
     try:
         sms = max(int(getattr(d, "core_count", 0) or 0) for d in jax.devices("cuda"))
     except RuntimeError:
         sms = 0
-    return _SK_FLAG_BYTES + (sms or _SK_DEFAULT_SMS) * _SK_SLOT_BYTES
+    scratch = _SK_FLAG_BYTES + (sms or _SK_DEFAULT_SMS) * _SK_SLOT_BYTES
+    expands = variant in (KERNELS[name] for name in _EXPAND_KERNELS) or (
+        variant == KERNELS["auto"] and m >= EXPAND_MIN_ROWS
+        and (9, 0) in cuda_capabilities())
+    return scratch + n * k + _EXPAND_ALIGN if expands else scratch
 
 
 def _kernel(out_dtype, variant, x2, s1, packed, scales, channel_exp):
-    out = jax.ShapeDtypeStruct((x2.shape[0], packed.shape[0]), out_dtype)
-    workspace = jax.ShapeDtypeStruct((_workspace_bytes(variant),), jnp.uint8)
+    (m, k), n = x2.shape, packed.shape[0]
+    out = jax.ShapeDtypeStruct((m, n), out_dtype)
+    workspace = jax.ShapeDtypeStruct((_workspace_bytes(variant, m, n, k),), jnp.uint8)
     call = jax.ffi.ffi_call("jax_mila_w4a8_matmul", (out, workspace), vmap_method="sequential")
     return call(x2, s1, packed, scales, channel_exp, variant=np.int64(variant))[0]
 
