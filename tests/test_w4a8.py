@@ -189,35 +189,43 @@ class W4A8ReferenceTest(parameterized.TestCase):
 
     def test_stream_k_workspace_size(self):
         # One 128 KiB float32 slot per SM (+ 4 KiB of flags) where wgmma_ws may run ("auto",
-        # "wgmma_ws", "wgmma_ws_cluster" and their e4m3 variants); a token elsewhere; an H200's
-        # 132 SMs when the devices do not say. The e4m3 variants, and "auto" on a 9.0 GPU from
-        # EXPAND_MIN_ROWS rows up, add N x K bytes for the expanded weights and 256 to align them.
+        # "wgmma_ws", "wgmma_ws_cluster" and the expanding variants); a token elsewhere; an
+        # H200's 132 SMs when the devices do not say. The e4m3 variants and "auto" with room
+        # for the expanded weights (variant 8) add N x K bytes and 256 to align them.
         slot, flags = 128 * 256 * 4, 4096
         variant = w4a8_module.KERNELS
         devices = [mock.Mock(core_count=132), mock.Mock(core_count=148)]
-        big_m, n, k = w4a8_module.EXPAND_MIN_ROWS, 264, 384
-        with mock.patch.object(w4a8_module.jax, "devices", return_value=devices), \
-             mock.patch.object(w4a8_module, "cuda_capabilities", return_value=((9, 0),)):
+        n, k = 264, 384
+        with mock.patch.object(w4a8_module.jax, "devices", return_value=devices):
             for kernel in ("auto", "wgmma_ws", "wgmma_ws_cluster"):
-                self.assertEqual(w4a8_module._workspace_bytes(variant[kernel]),
+                self.assertEqual(w4a8_module._workspace_bytes(variant[kernel], n, k),
                                  flags + 148 * slot)
             for kernel in ("mma_sync", "wgmma", "wgmma_ws_dp"):
-                self.assertEqual(w4a8_module._workspace_bytes(variant[kernel], big_m, n, k), 16)
-            for kernel in ("wgmma_ws", "wgmma_ws_cluster"):
-                self.assertEqual(w4a8_module._workspace_bytes(variant[kernel], big_m, n, k),
-                                 flags + 148 * slot)
-            for kernel in ("wgmma_ws_e4m3", "wgmma_ws_e4m3_cluster"):
-                for m in (1, big_m):
-                    self.assertEqual(w4a8_module._workspace_bytes(variant[kernel], m, n, k),
-                                     flags + 148 * slot + n * k + 256)
-            self.assertEqual(w4a8_module._workspace_bytes(0, big_m - 1, n, k), flags + 148 * slot)
-            self.assertEqual(w4a8_module._workspace_bytes(0, big_m, n, k),
-                             flags + 148 * slot + n * k + 256)
-        with mock.patch.object(w4a8_module.jax, "devices", side_effect=RuntimeError("no cuda")), \
-             mock.patch.object(w4a8_module, "cuda_capabilities", return_value=((8, 9),)):
+                self.assertEqual(w4a8_module._workspace_bytes(variant[kernel], n, k), 16)
+            for v in (variant["wgmma_ws_e4m3"], variant["wgmma_ws_e4m3_cluster"], 8):
+                self.assertEqual(w4a8_module._workspace_bytes(v, n, k),
+                                 flags + 148 * slot + n * k + 256)
+        with mock.patch.object(w4a8_module.jax, "devices", side_effect=RuntimeError("no cuda")):
             self.assertEqual(w4a8_module._workspace_bytes(0), flags + 132 * slot)
-            # "auto" runs mma_sync on a GPU other than 9.0: no expanded weights.
-            self.assertEqual(w4a8_module._workspace_bytes(0, big_m, n, k), flags + 132 * slot)
+
+    @mock.patch.dict(os.environ, {"JAX_MILA_W4A8_CLUSTER": ""})
+    def test_auto_expands_from_expand_min_rows_on_sm90(self):
+        # "auto" goes to the handler as variant 8 (room for the expanded weights) from
+        # EXPAND_MIN_ROWS rows up when a GPU is 9.0 and the build has sm_90a code; as 0 below,
+        # on other GPUs (no N x K scratch where mma_sync runs), and with EXPAND_MIN_ROWS = None.
+        big = w4a8_module.EXPAND_MIN_ROWS
+        with mock.patch.object(w4a8_module, "build_info", return_value={"cuda_archs": "90a"}):
+            for caps, small_v, big_v in ((((9, 0),), 0, 8), (((9, 0), (8, 9)), 0, 8),
+                                         (((8, 9),), 0, 0)):
+                with self.subTest(caps=caps), \
+                     mock.patch.object(w4a8_module, "cuda_capabilities", return_value=caps):
+                    self.assertEqual(w4a8_module._variant("auto", big - 1), small_v)
+                    self.assertEqual(w4a8_module._variant("auto", big), big_v)
+                    self.assertEqual(w4a8_module._variant("wgmma_ws_cluster", big), 5)
+            with mock.patch.object(w4a8_module, "cuda_capabilities", return_value=((9, 0),)), \
+                 mock.patch.object(w4a8_module, "EXPAND_MIN_ROWS", None):
+                self.assertEqual(w4a8_module._variant("auto", 1 << 20), 0)
+                self.assertEqual(w4a8_module.auto_kernel(1 << 20), "wgmma_ws_cluster")
 
     @mock.patch.dict(os.environ, {"JAX_MILA_W4A8_CLUSTER": ""})
     def test_auto_picks_wgmma_only_on_sm90_with_sm90a_code(self):
@@ -239,6 +247,10 @@ class W4A8ReferenceTest(parameterized.TestCase):
                 self.assertEqual(w4a8_module.auto_kernel(w4a8_module.EXPAND_MIN_ROWS),
                                  kernel.replace("_ws", "_ws_e4m3"))
                 self.assertEqual(w4a8_module._variant("auto"), variant)
+                # From EXPAND_MIN_ROWS rows: room for the expanded weights (8) wherever a 9.0
+                # GPU could run them; the handler still picks per device.
+                self.assertEqual(w4a8_module._variant("auto", w4a8_module.EXPAND_MIN_ROWS),
+                                 8 if variant == 0 and (9, 0) in caps else variant)
                 self.assertEqual(w4a8_module._variant("mma_sync"), 1)
                 self.assertEqual(w4a8_module._variant("wgmma"), 2)
                 self.assertEqual(w4a8_module._variant("wgmma_ws"), 3)
@@ -494,17 +506,20 @@ class W4A8KernelTest(parameterized.TestCase):
 
     def test_handler_refuses_a_workspace_without_room_for_the_expanded_weights(self):
         # The wrapper sizes the scratch; the handler checks it again (an ffi::Error naming the
-        # workspace, no launch) when a caller of the custom call gives an e4m3 variant less.
+        # workspace, no launch) when a caller of the custom call gives an expanding variant
+        # less: the e4m3 kernels, and "auto" with room for the expanded weights (8).
         self._require("wgmma_ws_e4m3")
         xq, xs, w = _operands(64, 136, 256, _seed())
-        for kernel in ("wgmma_ws_e4m3", "wgmma_ws_e4m3_cluster"):
+        for variant in (w4a8_module.KERNELS["wgmma_ws_e4m3"],
+                        w4a8_module.KERNELS["wgmma_ws_e4m3_cluster"], 8):
             call = jax.ffi.ffi_call(
                 "jax_mila_w4a8_matmul",
                 (jax.ShapeDtypeStruct((64, 136), jnp.bfloat16),
                  jax.ShapeDtypeStruct((136 * 256 + 255,), jnp.uint8)))  # N x K + 256 needed
-            with self.assertRaisesRegex(Exception, r"workspace: .*needs at least N x K"):
+            with self.subTest(variant=variant), \
+                 self.assertRaisesRegex(Exception, r"workspace: .*needs at least N x K"):
                 jax.block_until_ready(call(xq, xs, w.packed, w.scales, w.channel_exp,
-                                           variant=np.int64(w4a8_module.KERNELS[kernel])))
+                                           variant=np.int64(variant)))
 
     def test_conversion_orders_agree_bitwise(self):
         # wgmma_ws converts a chain's weights before its wgmmas; JAX_MILA_W4A8_WS_CONVERT=

@@ -75,7 +75,7 @@ ffi::Error W4A8MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x,
     return InvalidArgument(kOp, "variant=", variant,
                            " (0 auto, 1 mma.sync, 2 wgmma, 3 warp-specialized wgmma, 4 the same "
                            "without stream-K, 5 the same on 2-CTA clusters, 6 and 7: 3 and 5 on "
-                           "weights expanded to e4m3)");
+                           "weights expanded to e4m3, 8 auto with room for the expanded weights)");
   }
   if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1) {
     return InvalidArgument(kOp, "workspace: expected a uint8 vector, got ",
@@ -90,7 +90,8 @@ ffi::Error W4A8MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x,
     return Unimplemented(kOp, "needs FP8 tensor cores (compute capability >= 8.9), this device is ",
                          cc / 10, ".", cc % 10, "; jax_mila routes such devices to the reference");
   }
-  if (variant >= static_cast<int64_t>(W4A8Variant::kWgmma) && cc != 90) {
+  const W4A8Variant resolved = ResolveW4A8Variant(static_cast<W4A8Variant>(variant), cc);
+  if (resolved != W4A8Variant::kMmaSync && cc != 90) {
     return Unimplemented(kOp, "the wgmma kernel needs compute capability 9.0, this device is ",
                          cc / 10, ".", cc % 10);
   }
@@ -102,13 +103,11 @@ ffi::Error W4A8MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x,
                          "); rebuild with JAX_MILA_CUDA_ARCHS covering it (default "
                          "80-real;89-real;90a)");
   }
-  const W4A8Variant resolved = ResolveW4A8Variant(static_cast<W4A8Variant>(variant), cc, m);
   if ((resolved == W4A8Variant::kWgmmaWsE4m3 || resolved == W4A8Variant::kWgmmaWsE4m3Cluster) &&
       static_cast<int64_t>(workspace->size_bytes()) < W4A8ExpandBytes(n, k)) {
     return InvalidArgument(kOp, "workspace: ", workspace->size_bytes(), " bytes; variant ",
-                           static_cast<int>(resolved), " (M=", m, ") expands the weights into it "
-                           "and needs at least N x K + ", kW4A8ExpandAlign, " = ",
-                           W4A8ExpandBytes(n, k));
+                           static_cast<int>(resolved), " expands the weights into it and needs "
+                           "at least N x K + ", kW4A8ExpandAlign, " = ", W4A8ExpandBytes(n, k));
   }
   W4A8Args args;
   args.x = reinterpret_cast<const uint8_t*>(x.untyped_data());

@@ -1,8 +1,9 @@
 // W4A8 GEMM: y[M, N] = (x_fp8[M, K] * x_scale[M]) @ W[N, K]^T, W in MXFP4 (jax_mila/quant/mxfp4.py:
 // e2m1 codes packed in kernel order, e8m0 block exponents, a per-channel reference exponent).
 // FP8 tensor cores with float32 accumulation; the weights stay 4-bit in memory and become e4m3
-// in registers right before the MMA, or (from kW4A8ExpandMinRows activation rows up on Hopper)
-// in a scratch buffer for the call's duration. Three kernels:
+// in registers right before the MMA, or (the e4m3 variants, which "auto" picks on Hopper from
+// jax_mila.ffi.w4a8.EXPAND_MIN_ROWS activation rows up) in a scratch buffer for the call's
+// duration. Three kernels:
 //   wgmma (sm_90a): the converted weight tile is the register A operand of wgmma.m64n128k32
 //     (the FP8 weights never touch shared memory, only the packed ones), the activations the
 //     shared-memory B operand; computes y^T tiles and transposes them through shared memory in
@@ -37,10 +38,6 @@ constexpr int64_t kW4A8SlotBytes = 128 * 256 * 4;
 // 256-byte aligned address; the stream-K scratch is what lies before), so the workspace holds
 // N x K + kW4A8ExpandAlign bytes more.
 constexpr int64_t kW4A8ExpandAlign = 256;
-// kAuto runs the e4m3 variant from this many activation rows up (the expansion's cost, ~1.5
-// bytes of traffic a weight, is then a few percent of the GEMM's time); the Python wrapper
-// sizes the workspace by the same rule.
-constexpr int64_t kW4A8ExpandMinRows = 4096;
 
 struct W4A8Args {
   const uint8_t* x;            // float8_e4m3fn [M, K]
@@ -60,8 +57,9 @@ struct W4A8Args {
 };
 
 // Which kernel runs: kAuto picks wgmma_ws_cluster on compute capability 9.0 (wgmma_ws with
-// JAX_MILA_W4A8_CLUSTER=1), or their e4m3 variants from kW4A8ExpandMinRows rows up, mma.sync
-// otherwise.
+// JAX_MILA_W4A8_CLUSTER=1), mma.sync otherwise; kAutoExpanded the same but for their e4m3
+// variants on 9.0, where the caller gave the workspace room for the expanded weights (the
+// Python wrapper sends it from EXPAND_MIN_ROWS activation rows up).
 // kWgmmaWs: the warp-specialized sm_90a kernel (TMA producer, persistent, stream-K for the tiles
 // of the last wave; w4a8_sm90_ws.cu); kWgmmaWsDp: the same kernel on whole tiles only (the
 // data-parallel schedule, for comparison); kWgmmaWsCluster: the same kernel on 2-CTA clusters
@@ -79,12 +77,13 @@ enum class W4A8Variant : int {
   kWgmmaWsCluster = 5,
   kWgmmaWsE4m3 = 6,
   kWgmmaWsE4m3Cluster = 7,
+  kAutoExpanded = 8,
 };
-constexpr int64_t kW4A8LastVariant = static_cast<int64_t>(W4A8Variant::kWgmmaWsE4m3Cluster);
+constexpr int64_t kW4A8LastVariant = static_cast<int64_t>(W4A8Variant::kAutoExpanded);
 
-// What kAuto runs on a device of compute capability `cc` (10 * major + minor) for `m` activation
-// rows; any other variant as it is.
-W4A8Variant ResolveW4A8Variant(W4A8Variant variant, int cc, int64_t m);
+// What kAuto and kAutoExpanded run on a device of compute capability `cc` (10 * major +
+// minor); any other variant as it is.
+W4A8Variant ResolveW4A8Variant(W4A8Variant variant, int cc);
 
 // Requires k % 128 == 0, n % 8 == 0, 16-byte aligned pointers for x, packed and out, and
 // compute capability >= 8.9 (`cc`, 10 * major + minor); the wgmma variants require cc == 90 and

@@ -30,9 +30,10 @@ instead of once per 256 activation rows, for 1.5 bytes of extra memory traffic p
 N x K bytes of scratch while the call runs (118 MB for the 12B's gate+up); the weights stay
 4-bit between calls. "auto" (default) runs wgmma_ws_cluster on compute capability 9.0 when this
 build has sm_90a code (JAX_MILA_CUDA_ARCHS includes 90a, the default), wgmma_ws_e4m3_cluster
-there from EXPAND_MIN_ROWS rows up, mma_sync otherwise; JAX_MILA_W4A8_CLUSTER=1 (read once per
-process) makes them wgmma_ws and wgmma_ws_e4m3; ``auto_kernel(m)`` says which one for this
-process (AUTO_WGMMA_ON_SM90 = False turns the wgmma choice off). Hopper's FP8 wgmma accumulates at
+there from EXPAND_MIN_ROWS (4096) rows up, mma_sync otherwise; JAX_MILA_W4A8_CLUSTER=1 (read
+once per process) makes them wgmma_ws and wgmma_ws_e4m3; ``auto_kernel(m)`` says which one for
+this process. Module attributes, read at trace time: AUTO_WGMMA_ON_SM90 = False turns the wgmma
+choice off; EXPAND_MIN_ROWS = None never expands (no N x K scratch, 6-13% slower at M = 16384). Hopper's FP8 wgmma accumulates at
 reduced precision (~14 bits, truncated); both wgmma kernels therefore sum every K chunk (128
 long in wgmma, 256 in wgmma_ws) in a fresh accumulator and add it into float32 registers
 (DeepGEMM-style promotion), so the error no longer grows with K: relative Frobenius error
@@ -60,7 +61,10 @@ poisoned outputs, exponent-floor exactness, stream-K splits; K=15360 relative er
 mma_sync, 5.6e-5 for wgmma, under 4e-4 for wgmma_ws, float32 out); at M=16384 wgmma_ws runs
 1,160-1,349 TFLOP/s on the 12B's qkv, down and gate+up (wgmma: 837-912; docs/performance.md),
 and wgmma_ws_cluster -0.3% to +9.5% more per shape at M=16384 and 1.7-1.9% less GEMM time end
-to end, hence "auto". JAX_MILA_DISABLE=w4a8_matmul routes to the reference.
+to end, hence "auto". 2026-12-02: the e4m3 variants equal wgmma_ws / wgmma_ws_cluster bit for bit
+where no tile is split along K, and "auto" (wgmma_ws_e4m3_cluster) runs 1,148-1,230 TFLOP/s on
+the six 12B shapes at M=16384 (0.93-0.96x cuBLASLt; the converting kernel 0.82-0.91x),
+docs/performance.md, twenty-eighth round. JAX_MILA_DISABLE=w4a8_matmul routes to the reference.
 """
 
 from __future__ import annotations
@@ -85,11 +89,17 @@ OUT_DTYPES = (jnp.bfloat16, jnp.float32)
 KERNELS = {"auto": 0, "mma_sync": 1, "wgmma": 2, "wgmma_ws": 3,  # the handler's `variant`
            "wgmma_ws_dp": 4, "wgmma_ws_cluster": 5, "wgmma_ws_e4m3": 6,
            "wgmma_ws_e4m3_cluster": 7}
-# Variants that expand the weights into the scratch, and from how many rows "auto" picks them on
-# Hopper (csrc/w4a8/w4a8_kernel.h, kW4A8ExpandMinRows); 256: the expanded weights' alignment.
+# Variants that expand the weights into the scratch; 256: the expanded weights' alignment.
 _EXPAND_KERNELS = ("wgmma_ws_e4m3", "wgmma_ws_e4m3_cluster")
-EXPAND_MIN_ROWS = 4096
 _EXPAND_ALIGN = 256
+# "auto" with room for the expanded weights (the handler's kAutoExpanded): what "auto" sends from
+# EXPAND_MIN_ROWS activation rows up when a GPU is compute capability 9.0; the handler runs the
+# e4m3 variant there (mma_sync on other GPUs). Measured on the H200 (docs/performance.md,
+# twenty-eighth round): expanding wins on every 12B shape at M = 4096 (+3% to +9%) and loses on
+# most at 2048. A larger value (or None: never) keeps the scratch at the stream-K slots, for
+# callers short of memory; read at trace time.
+_AUTO_EXPANDED = 8
+EXPAND_MIN_ROWS: int | None = 4096
 # wgmma_ws's stream-K scratch (csrc/w4a8/w4a8_kernel.h): 4096 bytes of flags, then one float32
 # 128 x 256 partial tile per SM. A second result of the custom call, so that XLA plans it.
 _SK_FLAG_BYTES = 4096
@@ -106,11 +116,16 @@ def _wgmma_built() -> bool:
     return any(a.strip().split("-")[0] == "90a" for a in archs.split(","))
 
 
+def _expands(m: int) -> bool:
+    """Whether "auto" expands the weights for m activation rows (EXPAND_MIN_ROWS)."""
+    return EXPAND_MIN_ROWS is not None and m >= EXPAND_MIN_ROWS
+
+
 def _hopper_auto_kernel(m: int) -> str:
     """What the handler runs for "auto" on a 9.0 device for m activation rows (csrc/w4a8/w4a8.cu,
     ResolveW4A8Variant; it reads the same variable once per process)."""
     single = os.environ.get("JAX_MILA_W4A8_CLUSTER") == "1"
-    if m >= EXPAND_MIN_ROWS:
+    if _expands(m):
         return "wgmma_ws_e4m3" if single else "wgmma_ws_e4m3_cluster"
     return "wgmma_ws" if single else "wgmma_ws_cluster"
 
@@ -150,13 +165,16 @@ def _check_kernel_runs(kernel: str) -> None:
                                    "or 'mma_sync')")
 
 
-def _variant(kernel: str) -> int:
+def _variant(kernel: str, m: int = 1) -> int:
     # "auto" reaches the handler as "auto" (it picks wgmma_ws_cluster on a 9.0 device) only when
     # the build has the sm_90a wgmma code: without it a 9.0 device would run a PTX-JIT kernel
-    # that traps.
-    if kernel == "auto" and not (AUTO_WGMMA_ON_SM90 and _wgmma_built()):
+    # that traps. From EXPAND_MIN_ROWS rows up, with a 9.0 GPU in the process, it goes as "auto
+    # with room for the expanded weights" (the scratch is sized for them).
+    if kernel != "auto":
+        return KERNELS[kernel]
+    if not (AUTO_WGMMA_ON_SM90 and _wgmma_built()):
         return KERNELS["mma_sync"]
-    return KERNELS[kernel]
+    return _AUTO_EXPANDED if _expands(m) and (9, 0) in cuda_capabilities() else KERNELS["auto"]
 
 
 def _validate(x, x_scale, w, out_dtype, kernel) -> None:
@@ -192,12 +210,12 @@ def _validate(x, x_scale, w, out_dtype, kernel) -> None:
     _check_kernel_runs(kernel)
 
 
-def _workspace_bytes(variant: int, m: int = 1, n: int = 0, k: int = 0) -> int:
+def _workspace_bytes(variant: int, n: int = 0, k: int = 0) -> int:
     """Scratch for the handler: one stream-K slot per SM where wgmma_ws may run, then the
-    expanded e4m3 weights (N x K, 256-byte aligned) where an e4m3 variant may run (named, or
-    "auto" from EXPAND_MIN_ROWS rows up), else a token."""
-    stream_k = (KERNELS["auto"], KERNELS["wgmma_ws"], KERNELS["wgmma_ws_cluster"],
-                KERNELS["wgmma_ws_e4m3"], KERNELS["wgmma_ws_e4m3_cluster"])
+    expanded e4m3 weights (N x K, 256-byte aligned) where an e4m3 variant may run, else a
+    token."""
+    expanding = [KERNELS[name] for name in _EXPAND_KERNELS] + [_AUTO_EXPANDED]
+    stream_k = [KERNELS["auto"], KERNELS["wgmma_ws"], KERNELS["wgmma_ws_cluster"]] + expanding
     if variant not in stream_k:
         return 16
     try:
@@ -205,16 +223,13 @@ def _workspace_bytes(variant: int, m: int = 1, n: int = 0, k: int = 0) -> int:
     except RuntimeError:
         sms = 0
     scratch = _SK_FLAG_BYTES + (sms or _SK_DEFAULT_SMS) * _SK_SLOT_BYTES
-    expands = variant in (KERNELS[name] for name in _EXPAND_KERNELS) or (
-        variant == KERNELS["auto"] and m >= EXPAND_MIN_ROWS
-        and (9, 0) in cuda_capabilities())
-    return scratch + n * k + _EXPAND_ALIGN if expands else scratch
+    return scratch + n * k + _EXPAND_ALIGN if variant in expanding else scratch
 
 
 def _kernel(out_dtype, variant, x2, s1, packed, scales, channel_exp):
     (m, k), n = x2.shape, packed.shape[0]
     out = jax.ShapeDtypeStruct((m, n), out_dtype)
-    workspace = jax.ShapeDtypeStruct((_workspace_bytes(variant, m, n, k),), jnp.uint8)
+    workspace = jax.ShapeDtypeStruct((_workspace_bytes(variant, n, k),), jnp.uint8)
     call = jax.ffi.ffi_call("jax_mila_w4a8_matmul", (out, workspace), vmap_method="sequential")
     return call(x2, s1, packed, scales, channel_exp, variant=np.int64(variant))[0]
 
@@ -234,7 +249,7 @@ def w4a8_matmul(x_fp8, x_scale, w: MXFP4Weight, *, out_dtype=jnp.bfloat16, kerne
     m = int(np.prod(lead, dtype=np.int64))
     x2 = x_fp8.reshape(m, x_fp8.shape[-1])
     s1 = x_scale.reshape(m)
-    kernel_fn = functools.partial(_kernel, out_dtype, _variant(kernel))
+    kernel_fn = functools.partial(_kernel, out_dtype, _variant(kernel, m))
     ref = functools.partial(_reference, out_dtype)
     args = (x2, s1, w.packed, w.scales, w.channel_exp)
     y = dispatch(OP, kernel_fn, ref, *args,
