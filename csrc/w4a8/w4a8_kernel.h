@@ -107,7 +107,9 @@ const char* W4A8CodeProblem(W4A8Variant variant, int cc, int* compiled_for);
 cudaError_t LaunchW4A8WgmmaWs(const W4A8Args& args, bool stream_k, int cluster, bool e4m3,
                               cudaStream_t stream);
 
-// Workspace bytes the e4m3 variants need beyond the stream-K scratch.
+// The least workspace the e4m3 variants take: the expanded weights and their alignment. The
+// stream-K scratch goes before them (the Python wrapper adds one slot per SM); with less room
+// there, fewer of the last wave's tiles are split, with none, whole tiles only.
 inline int64_t W4A8ExpandBytes(int n, int k) {
   return static_cast<int64_t>(n) * k + kW4A8ExpandAlign;
 }

@@ -33,12 +33,12 @@ build has sm_90a code (JAX_MILA_CUDA_ARCHS includes 90a, the default), wgmma_ws_
 there from EXPAND_MIN_ROWS (4096) rows up, mma_sync otherwise; JAX_MILA_W4A8_CLUSTER=1 (read
 once per process) makes them wgmma_ws and wgmma_ws_e4m3; ``auto_kernel(m)`` says which one for
 this process. Module attributes, read at trace time: AUTO_WGMMA_ON_SM90 = False turns the wgmma
-choice off; EXPAND_MIN_ROWS = None never expands (no N x K scratch, 6-13% slower at M = 16384). Hopper's FP8 wgmma accumulates at
-reduced precision (~14 bits, truncated); both wgmma kernels therefore sum every K chunk (128
-long in wgmma, 256 in wgmma_ws) in a fresh accumulator and add it into float32 registers
-(DeepGEMM-style promotion), so the error no longer grows with K: relative Frobenius error
-~1e-4 at any K (unpromoted it was 1.6e-3 at K=15360), against < 1e-5 for mma_sync's float32
-accumulation. The FP8 product rounding inside one wgmma cannot be promoted away.
+choice off; EXPAND_MIN_ROWS = None never expands (no N x K scratch; GEMMs 5-12% slower at
+M = 16384). Hopper's FP8 wgmma accumulates at reduced precision (~14 bits, truncated); both wgmma
+kernels therefore sum every K chunk (128 long in wgmma, 256 in wgmma_ws) in a fresh accumulator
+and add it into float32 registers (DeepGEMM-style promotion), so the error no longer grows with
+K: relative Frobenius error ~1e-4 at any K (unpromoted it was 1.6e-3 at K=15360), against
+< 1e-5 for mma_sync's float32 accumulation. The FP8 product rounding inside one wgmma cannot be promoted away.
 
 Where it runs: the CUDA kernel needs FP8 mma (compute capability >= 8.9). On sm_80 GPUs the
 wrapper routes to the pure-JAX reference (jax_mila.reference.w4a8_matmul), as it does on CPU,
