@@ -5,7 +5,9 @@ time per call of short ops (jax_mila/bench/trace.py's windows over synthetic tra
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
 import stat
 import sys
@@ -232,6 +234,26 @@ class MedianDeviceSecondsTest(absltest.TestCase):
         self.assertEqual(bench.cell(timing["device_us"]), "-")
         self.assertIsNone(bench.tb_per_s(1000, None))
         self.assertAlmostEqual(bench.tb_per_s(4_000_000, 2.0), 2.0)  # 4 MB in 2 us
+
+
+class GemmKernelsScriptTest(absltest.TestCase):
+
+    def test_both_paths_on_the_cpu(self):
+        # benchmarks/gemm_kernels.py end to end on the CPU backend: the W4A8 path (the reference)
+        # and XLA's scaled FP8 path each get a row; the CPU trace holds no device kernels, so
+        # their device time is 0 and their kernel list empty.
+        sys.path.insert(0, _BENCHMARKS)
+        self.addCleanup(sys.path.remove, _BENCHMARKS)
+        out = io.StringIO()
+        with mock.patch.dict(os.environ), contextlib.redirect_stdout(out), mock.patch.object(
+                sys, "argv", ["gemm_kernels.py", "--m", "8", "--only", "o_proj_sliding",
+                              "--calls", "2", "--rounds", "1"]):
+            _load("gemm_kernels").main()
+        rows = [line for line in out.getvalue().splitlines() if line.startswith("| o_proj")]
+        self.assertLen(rows, 2, out.getvalue())
+        self.assertIn("w4a8 auto", rows[0])
+        self.assertIn("XLA FP8 + scales", rows[1])
+        self.assertTrue(all(row.split("|")[6].strip() == "0" for row in rows), rows)
 
 
 if __name__ == "__main__":
