@@ -60,10 +60,12 @@
 // one batch of 8 wgmmas and one wait, and 5 stages of 40 KiB fit (24 KiB activations + 16 KiB
 // weights; 256 rows would leave room for 4 of 48, two stages of lookahead instead of three).
 // Each output element gets the same products in the same order as in the register-A instance.
-// Measured on the H200 (docs/performance.md, twenty-eighth round): ncu puts the tensor pipe at
-// 90% of the cycles on down (M = 16384) against 80% for the register-A instance and 93% for
-// cuBLASLt; the 256-row, 4-stage version ran 5-10% faster with its loads taken away
-// (MILA_W4A8_WS_TIMING_ONLY), one-tile chains (3 stages of lookahead) 7-11% slower.
+// Measured on the H200 (docs/performance.md, twenty-eighth and twenty-ninth rounds): ncu puts
+// the tensor pipe at 93.7% of the cycles on down (M = 16384), 0.4% more cycles than cuBLASLt
+// (93.4%), against 80% for the register-A instance; the 256-row, 4-stage version ran 5-10%
+// faster with its loads taken away (MILA_W4A8_WS_TIMING_ONLY), one-tile chains (3 stages of
+// lookahead) 7-11% slower, chains of 3 or 4 K tiles 19-30% slower, and the consumers taking
+// turns (ping-pong) 2-5% slower.
 //
 // Sizes: K % 128 == 0 (an odd number of K tiles ends with a one-tile chain), N % 8 == 0 (weight
 // rows past N: TMA zero-fill -> zero weights; exponents zero-filled by cp.async), any M >= 1
