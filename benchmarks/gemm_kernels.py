@@ -7,7 +7,8 @@ trace: wall time per call beside the device time of each kernel (the median over
 A burst of 20 GEMMs lasts 15-60 ms, too short for the board's power limit to pull the clock
 down far; benchmarks/gemm.py's interleaved trials run the paths for seconds at that limit,
 where the clock follows the power each path draws. The two answer different questions: this
-one what each kernel costs, that one what a path sustains.
+one what each kernel costs, that one what a path sustains. (No clock column: nvidia-smi's
+samples, 10 ms apart, are too coarse for bursts this short.)
 
     python benchmarks/gemm_kernels.py [--m 16384] [--only down,gate+up] [--kernel auto]
                                       [--time-hanging]
@@ -28,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gemm  # noqa: E402  (its shapes and XLA's scaled FP8 path)
-from _bench import GpuSampler, markdown_table  # noqa: E402
+from _bench import markdown_table  # noqa: E402
 
 from jax_mila import ffi, quant  # noqa: E402
 from jax_mila.bench import trace as trace_lib  # noqa: E402
@@ -62,7 +63,6 @@ def main() -> None:
                     help="time XLA's path also at N in gemm.XLA_FP8_HANGS_N (see gemm.py)")
     args = ap.parse_args()
 
-    sampler = GpuSampler(10)
     rows = []
     for name in args.only.split(","):
         n, k = gemm.SHAPES[name]
@@ -87,15 +87,11 @@ def main() -> None:
         bursts = {label: [] for label in paths}
         for _ in range(args.rounds):  # the paths take turns, as in gemm.py --interleave
             for label, (fn, fargs) in paths.items():
-                t0 = time.monotonic()
-                wall, kernels = _burst(fn, fargs, args.calls)
-                mhz, _ = sampler.window([(t0, time.monotonic())])
-                bursts[label].append((wall, kernels, mhz))
+                bursts[label].append(_burst(fn, fargs, args.calls))
         for label, runs in bursts.items():
             wall = statistics.median(r[0] for r in runs)
-            mhz = [r[2] for r in runs if r[2] is not None]
             per_kernel: dict[str, list[float]] = {}
-            for _, kernels, _ in runs:
+            for _, kernels in runs:
                 for kname, durs in kernels.items():
                     per_kernel.setdefault(kname, []).extend(durs)
             busy = sum(statistics.median(d) * len(d) / len(runs) / args.calls
@@ -104,13 +100,12 @@ def main() -> None:
                               for kname, d in sorted(per_kernel.items(),
                                                      key=lambda kv: -statistics.median(kv[1])))
             rows.append([name, args.m, label, f"{wall * 1e6:.0f}", f"{flops / wall / 1e12:.0f}",
-                         f"{busy:.0f}", f"{statistics.median(mhz):.0f}" if mhz else "-", split])
+                         f"{busy:.0f}", split])
             print(" | ".join(str(c) for c in rows[-1]), flush=True)
         del x, w, xq, xs, wq, w8, ws
-    sampler.close()
     print()
     print(markdown_table(["GEMM", "M", "path", "wall us / call", "TFLOP/s (wall)",
-                          "device busy us / call", "SM MHz", "kernels (median us)"], rows))
+                          "device busy us / call", "kernels (median us)"], rows))
 
 
 if __name__ == "__main__":
