@@ -64,7 +64,7 @@
 // the tensor pipe at 93.7% of the cycles on down (M = 16384), 0.4% more cycles than cuBLASLt
 // (93.4%), against 80% for the register-A instance; the 256-row, 4-stage version ran 5-10%
 // faster with its loads taken away (MILA_W4A8_WS_TIMING_ONLY), one-tile chains (3 stages of
-// lookahead) 7-11% slower, chains of 3 or 4 K tiles 19-30% slower, and the consumers taking
+// lookahead) 7-11% slower, chains of 3 or 4 K tiles 10-28% slower, and the consumers taking
 // turns (ping-pong) 2-5% slower.
 //
 // Sizes: K % 128 == 0 (an odd number of K tiles ends with a one-tile chain), N % 8 == 0 (weight
