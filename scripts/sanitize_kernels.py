@@ -162,19 +162,17 @@ def check_attention(d, rotary_keys_only=None):
 
 def check_w4a8():
     hopper = testing.has_cuda() and testing.compute_capability() >= (9, 0)
-    kernels = (["mma_sync", "wgmma", "wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster",
-                "wgmma_ws_e4m3", "wgmma_ws_e4m3_cluster"] if hopper else []) + ["auto"]
-    # (1100, 4104, 384) has more output tiles (5 x 33) than an H200 has SMs: persistent CTAs of
+    kernels = (["mma_sync", "wgmma_ws", "wgmma_ws_e4m3"] if hopper else []) + ["auto"]
+    # (1100, 4104, 384) has more output tiles than an H100/H200 has SMs: persistent CTAs of
     # wgmma_ws run a second tile, whose row scales are staged while the first tile's epilogue
     # may still be reading (the cross-tile hazard racecheck must see); K = 384 ends on the
     # one-tile promotion chain. bf16 output is wgmma_ws's staged epilogue, float32 its direct one.
-    # The last two are wgmma_ws's stream-K (on 132 SMs): 6 tiles of 13 K tiles in runs of 8
-    # across tiles (partials written, flagged, read by the owner), and a whole wave followed by
-    # 23 tiles split in two. The e4m3 variants expand the weights into the scratch first (the
-    # GEMM's TMA reads what another kernel wrote: initcheck sees a byte it missed); from M = 4096
-    # "auto" runs them.
-    for m, n, k in ((1, 256, 128), (97, 384, 256), (300, 136, 384), (1100, 4104, 384),
-                    (300, 264, 1664), (1100, 3848, 2048), (4100, 264, 384)):
+    # (300, 264, 1664) and (1100, 3848, 2048) run wgmma_ws's stream-K on 132 SMs (partials
+    # written, flagged, read by the owner). K = 704 and 2112 are stored padded (the last K tile
+    # read past K as zeros). wgmma_ws_e4m3 expands the weights into the scratch first (the GEMM's
+    # TMA reads what another kernel wrote); from M = 4096 "auto" runs it.
+    for m, n, k in ((1, 256, 128), (97, 384, 256), (300, 136, 704), (1100, 4104, 384),
+                    (300, 264, 1664), (1100, 3848, 2112), (4100, 264, 384)):
         x = _bf16((m, k))
         w = jnp.asarray((RNG.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32))
         xq, xs = ffi.quantize_activations(x)
@@ -190,14 +188,47 @@ def check_w4a8():
                 got = testing.call_with_poisoned_outputs(
                     lambda a, b, c, kern=kern, dt=out_dtype: ffi.w4a8_matmul(
                         a, b, c, out_dtype=dt, kernel=kern), xq, xs, wq)
-                err = testing.rel_fro_err(got.astype(jnp.float32), want)
-                # wgmma (and "auto" on Hopper): FP8 accumulation, ~1e-4 (jax_mila/ffi/w4a8.py);
-                # bf16 output adds its rounding, ~1e-3.
-                resolved = ffi.w4a8.auto_kernel(m) if kern == "auto" else kern
-                bound = 4e-4 if resolved.startswith("wgmma") else 1e-4
-                if out_dtype == jnp.bfloat16:
-                    bound += 4e-3
-                assert err < bound, (m, n, k, kern, jnp.dtype(out_dtype).name, err)
+                _check_w4a8_error(got, want, ffi.w4a8.auto_kernel(m) if kern == "auto" else kern,
+                                  out_dtype, (m, n, k, kern))
+                yield name
+
+
+def _check_w4a8_error(got, want, resolved, out_dtype, what):
+    # wgmma: FP8 accumulation, ~1e-4 (jax_mila/ffi/w4a8.py); bf16 output adds its rounding.
+    err = testing.rel_fro_err(got.astype(jnp.float32), want)
+    bound = (4e-4 if resolved.startswith("wgmma") else 1e-4) + (
+        4e-3 if out_dtype == jnp.bfloat16 else 0.0)
+    assert err < bound, (what, jnp.dtype(out_dtype).name, err)
+
+
+def check_grouped_w4a8():
+    """The grouped (mixture-of-experts) GEMM: empty experts, groups that are no tile multiple,
+    one expert with every row, rows past the groups (zero-filled), K stored padded, a persistent
+    grid walking more tiles than SMs, and the 26B's shapes."""
+    hopper = testing.has_cuda() and testing.compute_capability() >= (9, 0)
+    kernels = (["mma_sync", "wgmma_ws"] if hopper else []) + ["auto"]
+    cases = (((97,), 136, 256, None), ((5, 0, 300, 1, 0, 64), 264, 704, None),
+             ((0, 0, 513), 128, 384, 600), ((40,) * 24, 1408, 2816, None),
+             ((200, 0, 60) * 6, 2816, 704, None))
+    for sizes, n, k, m in cases:
+        m = sum(sizes) if m is None else m
+        x = _bf16((m, k))
+        w = jnp.asarray((RNG.standard_normal((len(sizes), n, k)) / np.sqrt(k)).astype(np.float32))
+        xq, xs = ffi.quantize_activations(x)
+        wq = jax.device_put(_on_cpu(quant.quantize_mxfp4, w), jax.devices()[0])
+        gs = jnp.asarray(sizes, jnp.int32)
+        want = _on_cpu(lambda a, b, c, g: reference.grouped_w4a8_matmul(
+            a, b, c, g, out_dtype=jnp.float32), xq, xs, wq, gs)
+        for kern in kernels:
+            for out_dtype in (jnp.float32, jnp.bfloat16):
+                name = f"grouped w4a8 {kern} E={len(sizes)} M={m} {n}x{k} " \
+                       f"{jnp.dtype(out_dtype).name}"
+                print(f"...  {name}", flush=True)
+                got = testing.call_with_poisoned_outputs(
+                    lambda a, b, c, g, kern=kern, dt=out_dtype: ffi.grouped_w4a8_matmul(
+                        a, b, c, g, out_dtype=dt, kernel=kern), xq, xs, wq, gs)
+                resolved = ffi.w4a8.auto_kernel(m, grouped=True) if kern == "auto" else kern
+                _check_w4a8_error(got, want, resolved, out_dtype, (sizes, n, k, kern))
                 yield name
 
 
@@ -319,7 +350,7 @@ OPS = {"quantize": check_quantize, "norm_rope": check_norm_rope,
        "d512_rotary": lambda: check_attention(512, rotary_keys_only=64),  # Hopper: *_rotary_keys
        "d256_mma": lambda: _with_env("JAX_MILA_FLASH256_SM90", "0", check_attention(256)),
        "d512_mma": lambda: _with_env("JAX_MILA_FLASH512_SM90", "0", check_attention(512)),
-       "w4a8": check_w4a8, "prefill_1gpu": check_prefill_one_gpu,
+       "w4a8": check_w4a8, "moe": check_grouped_w4a8, "prefill_1gpu": check_prefill_one_gpu,
        "prefill_cp2": check_prefill_two_gpus,
        "collectives_cp2": check_collectives_two_gpus}
 

@@ -79,6 +79,9 @@ class QuantizedGemma4Test(absltest.TestCase):
             self.assertEqual(lin.quantize, "w4a8")
         self.assertIsNone(layer.per_layer_projection.quantize)  # 16 -> 128: K % 128 != 0
         self.assertIsNone(layer.router.proj.quantize)           # always dense (routing)
+        # The experts: MXFP4 [E, out, padded_k(in)] (down's K = 64 stored as 128).
+        self.assertEqual(layer.experts.gate_up_proj.quantize, "w4a8")
+        self.assertEqual(layer.experts.down_proj.packed.shape, (4, 128, 64))
         self.assertEqual(model.layers[4].mlp.up_proj.packed.shape, (512, 64))  # double-wide, shared
 
     def test_logits_agree_with_the_dense_model(self):
@@ -143,7 +146,7 @@ class QuantizedGemma4Test(absltest.TestCase):
         def to_v1(name, t):
             if not name.endswith("_mxfp4_packed"):
                 return t
-            stored = np.asarray(mxfp4._unpack_words(t)).reshape(t.shape[0], -1, 2)  # storage order
+            stored = np.asarray(mxfp4._unpack_words(t)).reshape(*t.shape[:-1], -1, 2)  # storage order
             return jnp.asarray((stored[..., 0] | (stored[..., 1] << 4)).astype(np.uint8))
 
         with tempfile.TemporaryDirectory() as d:

@@ -178,14 +178,48 @@ class MXFP4FormatTest(parameterized.TestCase):
                 quant.quantize_mxfp4(jnp.asarray(x), name="layers.3.mlp.down_proj")
 
     def test_bad_shapes_and_dtypes(self):
-        for k in (96, 64):  # whole blocks of 32, but not whole groups of 128
-            with self.assertRaisesRegex(ValueError, "K % 128"):
+        for k in (96 + 16, 8):  # not whole blocks of 32
+            with self.assertRaisesRegex(ValueError, "K % 32"):
                 quant.quantize_mxfp4(jnp.ones((4, k)))
-        self.assertIn(f"K % {mxfp4.GROUP} == 0", quant.quantize_mxfp4.__doc__)  # as enforced
-        with self.assertRaisesRegex(ValueError, r"\[N, K\]"):
+        self.assertIn(f"K % {mxfp4.BLOCK} == 0", quant.quantize_mxfp4.__doc__)  # as enforced
+        with self.assertRaisesRegex(ValueError, r"\[\.\.\., N, K\]"):
             quant.quantize_mxfp4(jnp.ones((128,)))
         with self.assertRaisesRegex(ValueError, "int32"):
             quant.quantize_mxfp4(jnp.ones((4, 128), jnp.int32))
+
+    def test_k_not_a_multiple_of_128_is_stored_padded(self):
+        # Whole blocks of 32 (the 26B's K = 704 and 2112): stored over padded_k(K), zeros past
+        # K, the first K columns as quantizing a weight padded with zeros gives them.
+        rng = np.random.default_rng(_seed())
+        for k in (32, 96, 704, 2112):
+            w = jnp.asarray(rng.standard_normal((5, k)), jnp.float32)
+            q = quant.quantize_mxfp4(w)
+            kp = quant.padded_k(k)
+            self.assertEqual(kp % mxfp4.GROUP, 0)
+            self.assertLess(kp - k, mxfp4.GROUP)
+            self.assertEqual(q.shape, (5, kp))
+            padded = quant.quantize_mxfp4(jnp.pad(w, ((0, 0), (0, kp - k))))
+            for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(padded)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            deq = np.asarray(quant.dequantize_mxfp4(q))
+            np.testing.assert_array_equal(deq[:, k:], 0.0)
+            np.testing.assert_array_equal(np.asarray(quant.dequantize_mxfp4(q, k=k)), deq[:, :k])
+
+    def test_expert_stacks_quantize_per_expert(self):
+        # [E, N, K] quantizes each expert's rows as a 2-D weight would (per-row blocks).
+        rng = np.random.default_rng(_seed())
+        w = jnp.asarray(rng.standard_normal((3, 8, 704)), jnp.float32)
+        q = quant.quantize_mxfp4(w)
+        self.assertEqual(q.shape, (3, 8, 768))
+        q.validate("w", rank=3)
+        self.assertTrue(quant.check_kernel_invariant(q))
+        for e in range(3):
+            one = quant.quantize_mxfp4(w[e])
+            for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(q)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[e])
+        np.testing.assert_array_equal(np.asarray(quant.dequantize_mxfp4(q, k=704))[1],
+                                      np.asarray(quant.dequantize_mxfp4(
+                                          quant.quantize_mxfp4(w[1]), k=704)))
 
     def test_kernel_order_words(self):
         # Word (q, b) of group G holds block b's k = 4q..4q+3 (codes 0-3) and 16+4q..16+4q+3

@@ -1,5 +1,6 @@
-"""W4A8 GEMM (jax_mila.ffi.w4a8_matmul): the pure-JAX reference and trace-time validation on
-CPU, and the CUDA kernels (wgmma on sm_90a, mma.sync on sm_89+) against the reference on GPU.
+"""W4A8 GEMMs (jax_mila.ffi.w4a8_matmul, grouped_w4a8_matmul): the pure-JAX references and
+trace-time validation on CPU, and the CUDA kernels (wgmma_ws on sm_90a, mma.sync on sm_89+)
+against the references on GPU.
 
 Under compute-sanitizer (detected from the injected library) only the small GPU cases run.
 """
@@ -8,9 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
-import sys
-import tempfile
 from unittest import mock
 
 import jax
@@ -22,9 +20,9 @@ from jax_mila import ffi, quant, reference, testing
 from jax_mila.ffi import w4a8 as w4a8_module
 
 
-KERNELS = ["auto", "mma_sync", "wgmma", "wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster",
-           "wgmma_ws_e4m3", "wgmma_ws_e4m3_cluster"]
+KERNELS = ["auto", "mma_sync", "wgmma_ws", "wgmma_ws_e4m3"]
 HOPPER_KERNELS = tuple(KERNELS[2:])  # sm_90a only
+GROUPED_KERNELS = ["auto", "mma_sync", "wgmma_ws"]
 
 
 def _seed() -> int:
@@ -53,31 +51,46 @@ def _operands(m, n, k, seed, *, lead=None, w_scale=None):
     return xq, xs, quant.quantize_mxfp4(w)
 
 
-def _conversion_order_output(seed: int) -> np.ndarray:
-    """wgmma_ws's float32 and bf16 outputs (as float32) for a few shapes, concatenated: what
-    test_conversion_orders_agree_bitwise compares across processes."""
-    outs = []
-    for m, n, k in ((97, 264, 384), (300, 264, 1664), (1, 8, 128)):
-        xq, xs, w = _operands(m, n, k, seed + m)
-        for dtype in (jnp.float32, jnp.bfloat16):
-            y = ffi.w4a8_matmul(xq, xs, w, out_dtype=dtype, kernel="wgmma_ws")
-            outs.append(np.asarray(y, np.float32).ravel())
-    return np.concatenate(outs)
+def _grouped_operands(sizes, n, k, seed, *, m=None):
+    """Rows for experts of the given sizes (sorted, M = sum or ``m``), MXFP4 experts [E, N, K]."""
+    e = len(sizes)
+    m = int(sum(sizes)) if m is None else m
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (m, k), jnp.float32) * 3.0
+    w = jax.random.normal(kw, (e, n, k), jnp.float32) / np.sqrt(k)
+    xq, xs = ffi.quantize_activations(x.astype(jnp.bfloat16))
+    return xq, xs, quant.quantize_mxfp4(w), jnp.asarray(sizes, jnp.int32)
 
 
 def _exact_product(xq, xs, w):
-    """float64 (x_fp8 * x_scale) @ dequantize(w).T on the host: a path independent of JAX."""
+    """float64 (x_fp8 * x_scale) @ dequantize(w)[:, :K].T on the host: a path independent of JAX."""
     x64 = np.asarray(xq.astype(jnp.float32), np.float64) * np.asarray(xs, np.float64)[..., None]
-    w64 = np.asarray(quant.dequantize_mxfp4(w), np.float64)
+    w64 = np.asarray(quant.dequantize_mxfp4(w), np.float64)[:, : xq.shape[-1]]
     return x64 @ w64.T
 
 
-class W4A8ReferenceTest(parameterized.TestCase):
-    """CPU: the reference GEMM and the wrapper's validation (same on every platform)."""
+def _exact_grouped(xq, xs, w, sizes):
+    """float64 grouped product, row by row from each row's expert (rows past the groups: 0)."""
+    x64 = np.asarray(xq.astype(jnp.float32), np.float64) * np.asarray(xs, np.float64)[:, None]
+    w64 = np.asarray(quant.dequantize_mxfp4(w), np.float64)[..., : xq.shape[-1]]
+    out = np.zeros((x64.shape[0], w64.shape[1]))
+    start = 0
+    for e, size in enumerate(np.maximum(np.asarray(sizes), 0)):
+        end = min(start + int(size), x64.shape[0])
+        out[start:end] = x64[start:end] @ w64[e].T
+        start = end
+    return out
 
-    @parameterized.parameters((1, 8, 128), (97, 264, 384), (33, 128, 1024))
+
+class W4A8ReferenceTest(parameterized.TestCase):
+    """CPU: the reference GEMMs and the wrappers' validation (same on every platform)."""
+
+    @parameterized.parameters((1, 8, 128), (97, 264, 384), (33, 128, 1024), (5, 16, 704),
+                              (7, 24, 2112), (3, 8, 32))
     def test_reference_matches_float64_product(self, m, n, k):
+        # K not a multiple of 128 (704, 2112: the 26B's): the weight is stored padded.
         xq, xs, w = _operands(m, n, k, _seed())
+        self.assertEqual(w.shape, (n, quant.padded_k(k)))
         want = _exact_product(xq, xs, w)
         got32 = reference.w4a8_matmul(xq, xs, w, out_dtype=jnp.float32)
         self.assertLess(testing.rel_fro_err(got32, want), 1e-5)
@@ -105,15 +118,60 @@ class W4A8ReferenceTest(parameterized.TestCase):
         np.testing.assert_array_equal(deq[:, 32:64], 0.0)
         np.testing.assert_array_equal(deq[:, :32], 1.0)
 
+    @parameterized.named_parameters(
+        dict(testcase_name="random", sizes=(10, 0, 25, 15, 7)),
+        dict(testcase_name="one_expert_takes_all", sizes=(0, 0, 97, 0)),
+        dict(testcase_name="single_rows", sizes=(1, 1, 1)),
+    )
+    def test_grouped_reference_matches_float64_product(self, sizes):
+        xq, xs, w, gs = _grouped_operands(sizes, 24, 704, _seed())
+        got = reference.grouped_w4a8_matmul(xq, xs, w, gs, out_dtype=jnp.float32)
+        self.assertLess(testing.rel_fro_err(got, _exact_grouped(xq, xs, w, gs)), 1e-5)
+
+    def test_grouped_reference_clamps_like_the_kernels(self):
+        # Traced sizes that a caller got wrong: negative sizes count as 0, groups end at row M,
+        # rows past the last group are zeros (the kernels' documented reading).
+        xq, xs, w, _ = _grouped_operands((3, 3, 3), 16, 128, _seed(), m=9)
+        for sizes in ((4, -2, 20), (2, 2, 2), (0, 0, 0)):
+            gs = jnp.asarray(sizes, jnp.int32)
+            got = jax.jit(functools.partial(reference.grouped_w4a8_matmul,
+                                            out_dtype=jnp.float32))(xq, xs, w, gs)
+            covered = min(int(np.maximum(np.asarray(sizes), 0).sum()), 9)
+            with self.subTest(sizes=sizes):
+                if covered:
+                    self.assertLess(testing.rel_fro_err(
+                        got[:covered], _exact_grouped(xq, xs, w, gs)[:covered]), 1e-5)
+                np.testing.assert_array_equal(np.asarray(got)[covered:], 0.0)
+
+    def test_grouped_equals_dense_per_expert(self):
+        xq, xs, w, gs = _grouped_operands((5, 0, 11), 32, 256, _seed())
+        got = np.asarray(ffi.grouped_w4a8_matmul(xq, xs, w, gs, out_dtype=jnp.float32))
+        start = 0
+        for e, size in enumerate((5, 0, 11)):
+            we = jax.tree.map(lambda a: a[e], w)
+            dense = ffi.w4a8_matmul(xq[start:start + size], xs[start:start + size], we,
+                                    out_dtype=jnp.float32) if size else None
+            if size:
+                np.testing.assert_array_equal(got[start:start + size], np.asarray(dense))
+            start += size
+
     def _good(self, m=4, n=64, k=256):
         return _operands(m, n, k, 0)
 
-    def test_rejects_unsupported_k(self):
+    def test_rejects_k_that_does_not_fit_the_weight(self):
+        xq, xs, w = self._good()
+        with self.assertRaisesRegex(ValueError, r"w4a8_matmul: x_fp8: K=96 .*stored K=256: K must "
+                                                r"be a multiple of 32 in \(128, 256\]"):
+            ffi.w4a8_matmul(xq[:, :96], xs, w)
+        with self.assertRaisesRegex(ValueError, r"x_fp8: K=240 .*multiple of 32"):
+            ffi.w4a8_matmul(jnp.zeros((4, 240), jnp.float8_e4m3fn), xs, w)
+
+    def test_rejects_unsupported_stored_k(self):
         xq = jnp.zeros((4, 96), jnp.float8_e4m3fn)
         xs = jnp.ones((4,), jnp.float32)
         w = quant.MXFP4Weight(jnp.zeros((64, 48), jnp.uint8), jnp.zeros((64, 3), jnp.uint8),
                               jnp.zeros((64,), jnp.uint8))
-        with self.assertRaisesRegex(ValueError, r"w4a8_matmul: w: .*K % 128 == 0"):
+        with self.assertRaisesRegex(ValueError, r"w4a8_matmul: w: .*Kp % 128 == 0"):
             ffi.w4a8_matmul(xq, xs, w)
 
     def test_rejects_unsupported_n(self):
@@ -126,7 +184,7 @@ class W4A8ReferenceTest(parameterized.TestCase):
         xq, xs, _ = self._good()
         w = quant.MXFP4Weight(jnp.zeros((0, 128), jnp.uint8), jnp.zeros((0, 8), jnp.uint8),
                               jnp.zeros((0,), jnp.uint8))
-        with self.assertRaisesRegex(ValueError, r"w4a8_matmul: w: N=0 output channels"):
+        with self.assertRaisesRegex(ValueError, r"w4a8_matmul: w: N=0 is not supported"):
             ffi.w4a8_matmul(xq, xs, w)
 
     def test_explicit_wgmma_kernels_need_sm90a_code_on_sm90(self):
@@ -159,11 +217,11 @@ class W4A8ReferenceTest(parameterized.TestCase):
             (dict(x_fp8=xq.astype(jnp.bfloat16)), r"x_fp8: dtype bfloat16 is not supported"),
             (dict(x_scale=xs.astype(jnp.bfloat16)), r"x_scale: dtype bfloat16"),
             (dict(x_scale=xs[:3]), r"x_scale: shape \[3\] must be x_fp8's leading shape \[4\]"),
-            (dict(x_fp8=xq[:, :128]), r"x_fp8: K=128 .* must equal the weight's K=256"),
             (dict(x_fp8=xq[:0], x_scale=xs[:0]), r"x_fp8: empty arrays"),
             (dict(out_dtype=jnp.float16), r"out_dtype: float16 is not supported"),
             (dict(kernel="cutlass"), r"kernel: 'cutlass' is not one of"),
             (dict(w=w.packed), r"w: expected a jax_mila.quant.MXFP4Weight"),
+            (dict(w=jax.tree.map(lambda a: a[None], w)), r"w: w.packed: expected \[N, Kp/2\]"),
         ]
         for override, pattern in cases:
             args = dict(x_fp8=xq, x_scale=xs, w=w)
@@ -171,6 +229,43 @@ class W4A8ReferenceTest(parameterized.TestCase):
             kwargs = {k: args.pop(k) for k in ("out_dtype", "kernel") if k in args}
             with self.subTest(pattern=pattern), self.assertRaisesRegex(ValueError, pattern):
                 ffi.w4a8_matmul(args["x_fp8"], args["x_scale"], args["w"], **kwargs)
+
+    def test_grouped_rejects_bad_arguments(self):
+        xq, xs, w, gs = _grouped_operands((3, 2, 4), 16, 128, 0)
+        cases = [
+            (dict(group_sizes=gs[:2]), r"group_sizes: shape \[2\] must be \[E\] = \[3\]"),
+            (dict(group_sizes=gs.astype(jnp.int64 if jax.config.jax_enable_x64 else jnp.uint32)),
+             r"group_sizes: dtype .* is not supported \(supported: int32\)"),
+            (dict(group_sizes=jnp.asarray([3, -1, 4], jnp.int32)), r"group_sizes: negative sizes"),
+            (dict(group_sizes=jnp.asarray([3, 5, 4], jnp.int32)),
+             r"group_sizes: the sizes add up to 12 rows, more than x_fp8's M=9"),
+            (dict(w=jax.tree.map(lambda a: a[0], w)), r"w: w.packed: expected rank 3"),
+            (dict(x_fp8=xq.reshape(3, 3, 128)), r"x_fp8: expected rank 2"),
+            (dict(kernel="wgmma_ws_e4m3"), r"kernel: 'wgmma_ws_e4m3' takes dense calls only"),
+            (dict(x_scale=xs[:4]), r"x_scale: shape \[4\]"),
+        ]
+        for override, pattern in cases:
+            args = dict(x_fp8=xq, x_scale=xs, w=w, group_sizes=gs)
+            args.update(override)
+            kernel = args.pop("kernel", "auto")
+            with self.subTest(pattern=pattern), self.assertRaisesRegex(
+                    ValueError, "grouped_w4a8_matmul: " + pattern):
+                ffi.grouped_w4a8_matmul(args["x_fp8"], args["x_scale"], args["w"],
+                                        args["group_sizes"], kernel=kernel)
+        many = quant.MXFP4Weight(jnp.zeros((1025, 8, 64), jnp.uint8),
+                                 jnp.zeros((1025, 8, 4), jnp.uint8), jnp.zeros((1025, 8), jnp.uint8))
+        with self.assertRaisesRegex(ValueError, r"w: E=1025 experts are not supported"):
+            ffi.grouped_w4a8_matmul(xq, xs, many, jnp.zeros((1025,), jnp.int32))
+
+    def test_grouped_traced_sizes_do_not_recompile(self):
+        # The routing changes every step; the sizes are device values, read by the kernel.
+        xq, xs, w, _ = _grouped_operands((4, 4, 4), 16, 128, _seed())
+        fn = jax.jit(ffi.grouped_w4a8_matmul)
+        for sizes in ((4, 4, 4), (0, 12, 0), (1, 2, 9)):
+            gs = jnp.asarray(sizes, jnp.int32)
+            np.testing.assert_allclose(np.asarray(fn(xq, xs, w, gs), np.float32),
+                                       _exact_grouped(xq, xs, w, gs), rtol=2e-2, atol=2e-2)
+        self.assertEqual(fn._cache_size(), 1)
 
     def test_sm80_devices_route_to_the_reference(self):
         # With the kernel "built" and a GPU older than sm_89 in the process, the call must trace
@@ -187,53 +282,34 @@ class W4A8ReferenceTest(parameterized.TestCase):
         np.testing.assert_array_equal(np.asarray(y),
                                       np.asarray(reference.w4a8_matmul(xq, xs, w)))
 
-    def test_stream_k_workspace_size(self):
-        # One 128 KiB float32 slot per SM (+ 4 KiB of flags) where wgmma_ws may run ("auto",
-        # "wgmma_ws", "wgmma_ws_cluster" and the expanding variants); a token elsewhere; an
-        # H200's 132 SMs when the devices do not say. The e4m3 variants and "auto" with room
-        # for the expanded weights (variant 8) add N x K bytes and 256 to align them.
+    def test_workspace_sizes(self):
+        # Dense: one 128 KiB float32 slot per SM (+ 4 KiB of flags) where wgmma_ws may run, plus
+        # N x Kp + 256 where the e4m3 instance may run ("wgmma_ws_e4m3", and "auto" from
+        # EXPAND_MIN_ROWS rows on a 9.0 GPU); a token for mma_sync; an H100/H200's 132 SMs when
+        # the devices do not say. Grouped: the tile list, sized for 128-row tiles.
         slot, flags = 128 * 256 * 4, 4096
-        variant = w4a8_module.KERNELS
+        v = w4a8_module.KERNELS
         devices = [mock.Mock(core_count=132), mock.Mock(core_count=148)]
-        n, k = 264, 384
-        with mock.patch.object(w4a8_module.jax, "devices", return_value=devices):
-            for kernel in ("auto", "wgmma_ws", "wgmma_ws_cluster"):
-                self.assertEqual(w4a8_module._workspace_bytes(variant[kernel], n, k),
-                                 flags + 148 * slot)
-            for kernel in ("mma_sync", "wgmma", "wgmma_ws_dp"):
-                self.assertEqual(w4a8_module._workspace_bytes(variant[kernel], n, k), 16)
-            for v in (variant["wgmma_ws_e4m3"], variant["wgmma_ws_e4m3_cluster"], 8):
-                self.assertEqual(w4a8_module._workspace_bytes(v, n, k),
-                                 flags + 148 * slot + n * k + 256)
-        with mock.patch.object(w4a8_module.jax, "devices", side_effect=RuntimeError("no cuda")):
-            self.assertEqual(w4a8_module._workspace_bytes(0), flags + 132 * slot)
+        n, kp, big = 264, 384, w4a8_module.EXPAND_MIN_ROWS
+        size = w4a8_module._dense_workspace_bytes
+        with mock.patch.object(w4a8_module.jax, "devices", return_value=devices), \
+             mock.patch.object(w4a8_module, "cuda_capabilities", return_value=((9, 0),)):
+            self.assertEqual(size(v["wgmma_ws"], big, n, kp), flags + 148 * slot)
+            self.assertEqual(size(v["auto"], big - 1, n, kp), flags + 148 * slot)
+            self.assertEqual(size(v["auto"], big, n, kp), flags + 148 * slot + n * kp + 256)
+            self.assertEqual(size(v["wgmma_ws_e4m3"], 1, n, kp), flags + 148 * slot + n * kp + 256)
+            self.assertEqual(size(v["mma_sync"], big, n, kp), 16)
+        with mock.patch.object(w4a8_module.jax, "devices", side_effect=RuntimeError("no cuda")), \
+             mock.patch.object(w4a8_module, "cuda_capabilities", return_value=((8, 9),)):
+            self.assertEqual(size(v["auto"], big, n, kp), flags + 132 * slot)
+        self.assertEqual(w4a8_module._grouped_workspace_bytes(1000, 128), 16 + 16 * (8 + 128))
 
-    @mock.patch.dict(os.environ, {"JAX_MILA_W4A8_CLUSTER": ""})
-    def test_auto_expands_from_expand_min_rows_on_sm90(self):
-        # "auto" goes to the handler as variant 8 (room for the expanded weights) from
-        # EXPAND_MIN_ROWS rows up when a GPU is 9.0 and the build has sm_90a code; as 0 below,
-        # on other GPUs (no N x K scratch where mma_sync runs), and with EXPAND_MIN_ROWS = None.
-        big = w4a8_module.EXPAND_MIN_ROWS
-        with mock.patch.object(w4a8_module, "build_info", return_value={"cuda_archs": "90a"}):
-            for caps, small_v, big_v in ((((9, 0),), 0, 8), (((9, 0), (8, 9)), 0, 8),
-                                         (((8, 9),), 0, 0)):
-                with self.subTest(caps=caps), \
-                     mock.patch.object(w4a8_module, "cuda_capabilities", return_value=caps):
-                    self.assertEqual(w4a8_module._variant("auto", big - 1), small_v)
-                    self.assertEqual(w4a8_module._variant("auto", big), big_v)
-                    self.assertEqual(w4a8_module._variant("wgmma_ws_cluster", big), 5)
-            with mock.patch.object(w4a8_module, "cuda_capabilities", return_value=((9, 0),)), \
-                 mock.patch.object(w4a8_module, "EXPAND_MIN_ROWS", None):
-                self.assertEqual(w4a8_module._variant("auto", 1 << 20), 0)
-                self.assertEqual(w4a8_module.auto_kernel(1 << 20), "wgmma_ws_cluster")
-
-    @mock.patch.dict(os.environ, {"JAX_MILA_W4A8_CLUSTER": ""})
     def test_auto_picks_wgmma_only_on_sm90_with_sm90a_code(self):
-        # (build archs, GPUs) -> (auto_kernel(), the handler's variant for "auto"). Variant 0
-        # lets the handler pick wgmma_ws_cluster per 9.0 device; without sm_90a code it must be
-        # mma_sync (1).
-        cases = [("80-real,89-real,90a", ((9, 0),), "wgmma_ws_cluster", 0),
-                 ("90a-real", ((9, 0), (9, 0)), "wgmma_ws_cluster", 0),
+        # (build archs, GPUs) -> (auto_kernel(), the handlers' variant for "auto"). Variant 0
+        # lets the handler pick per 9.0 device; without sm_90a code it must be mma_sync (1).
+        big = w4a8_module.EXPAND_MIN_ROWS
+        cases = [("80-real,89-real,90a", ((9, 0),), "wgmma_ws", 0),
+                 ("90a-real", ((9, 0), (9, 0)), "wgmma_ws", 0),
                  ("80-real,89-real,90a", ((8, 9),), "mma_sync", 0),
                  ("80-real,89-real,90a", ((9, 0), (8, 9)), "mma_sync", 0),
                  ("80-real,89-real", ((9, 0),), "mma_sync", 1),
@@ -244,101 +320,84 @@ class W4A8ReferenceTest(parameterized.TestCase):
                  mock.patch.object(w4a8_module, "build_info", return_value={"cuda_archs": archs}), \
                  mock.patch.object(w4a8_module, "cuda_capabilities", return_value=caps):
                 self.assertEqual(w4a8_module.auto_kernel(), kernel)
-                self.assertEqual(w4a8_module.auto_kernel(w4a8_module.EXPAND_MIN_ROWS),
-                                 kernel.replace("_ws", "_ws_e4m3"))
+                self.assertEqual(w4a8_module.auto_kernel(big - 1), kernel)
+                self.assertEqual(w4a8_module.auto_kernel(big), kernel.replace("_ws", "_ws_e4m3"))
+                self.assertEqual(w4a8_module.auto_kernel(big, grouped=True), kernel)
                 self.assertEqual(w4a8_module._variant("auto"), variant)
-                # From EXPAND_MIN_ROWS rows: room for the expanded weights (8) wherever a 9.0
-                # GPU could run them; the handler still picks per device.
-                self.assertEqual(w4a8_module._variant("auto", w4a8_module.EXPAND_MIN_ROWS),
-                                 8 if variant == 0 and (9, 0) in caps else variant)
                 self.assertEqual(w4a8_module._variant("mma_sync"), 1)
-                self.assertEqual(w4a8_module._variant("wgmma"), 2)
-                self.assertEqual(w4a8_module._variant("wgmma_ws"), 3)
-        with mock.patch.object(w4a8_module, "AUTO_WGMMA_ON_SM90", False), \
-             mock.patch.object(w4a8_module, "build_info", return_value={"cuda_archs": "90a"}), \
-             mock.patch.object(w4a8_module, "cuda_capabilities", return_value=((9, 0),)):
-            self.assertEqual(w4a8_module.auto_kernel(), "mma_sync")
-            self.assertEqual(w4a8_module._variant("auto"), 1)
-
-    def test_cluster_knob_names_the_hopper_auto_kernel(self):
-        # The handler reads JAX_MILA_W4A8_CLUSTER once per process (exactly "1": wgmma_ws);
-        # auto_kernel() must name what it runs, so that the tests hold "auto" to its bounds.
-        hopper = dict(build_info=mock.Mock(return_value={"cuda_archs": "90a"}),
-                      cuda_capabilities=mock.Mock(return_value=((9, 0),)))
-        cases = (("1", "wgmma_ws"), ("2", "wgmma_ws_cluster"), ("", "wgmma_ws_cluster"),
-                 (" 1", "wgmma_ws_cluster"), (None, "wgmma_ws_cluster"))
-        big_m = w4a8_module.EXPAND_MIN_ROWS
-        for value, kernel in cases:
-            env = {k: v for k, v in os.environ.items() if k != "JAX_MILA_W4A8_CLUSTER"}
-            if value is not None:
-                env["JAX_MILA_W4A8_CLUSTER"] = value
-            with self.subTest(value=value), mock.patch.dict(os.environ, env, clear=True), \
-                 mock.patch.multiple(w4a8_module, **hopper):
-                self.assertEqual(w4a8_module.auto_kernel(), kernel)
-                self.assertEqual(w4a8_module.auto_kernel(big_m - 1), kernel)
-                self.assertEqual(w4a8_module.auto_kernel(big_m), kernel.replace("_ws", "_ws_e4m3"))
-
+                self.assertEqual(w4a8_module._variant("wgmma_ws"), 2)
+                self.assertEqual(w4a8_module._variant("wgmma_ws_e4m3"), 3)
 
 
 # Relative Frobenius error bound (float32 output, against the float32 reference or the float64
-# product) per kernel. mma_sync accumulates in float32: 2e-6. wgmma: Hopper's FP8 wgmma adds at
-# ~14 bits (truncated), so the kernel promotes every 128-long K chunk into float32 registers;
-# expected ~1e-4 at any K. 4e-4 holds it with margin while the unpromoted kernel (1.6e-3 at
-# K=15360, measured on the H200) fails test_accuracy_k15360. wgmma_ws: the same promotion over
-# 256-long chunks (passed both bounds on the H200); the e4m3 variants add the same products in the
-# same order.
+# product) per kernel. mma_sync accumulates in float32: 2e-6. wgmma_ws: Hopper's FP8 wgmma adds
+# at ~14 bits (truncated), so the kernel promotes every 256-long K chunk into float32 registers;
+# expected ~1e-4 at any K. 4e-4 holds it with margin while an unpromoted kernel (1.6e-3 at
+# K=15360, measured on the H200) fails test_accuracy_k15360; the e4m3 instance adds the same
+# products in the same order.
 F32_TOL = {"mma_sync": 2e-6, **{kernel: 4e-4 for kernel in HOPPER_KERNELS}}
 K15360_TOL = {"mma_sync": 1e-5, **{kernel: 4e-4 for kernel in HOPPER_KERNELS}}
 
 
-def _resolve(kernel: str, m: int = 1) -> str:
-    return w4a8_module.auto_kernel(m) if kernel == "auto" else kernel
+def _resolve(kernel: str, m: int = 1, *, grouped: bool = False) -> str:
+    return w4a8_module.auto_kernel(m, grouped=grouped) if kernel == "auto" else kernel
 
 
-class W4A8KernelTest(parameterized.TestCase):
-    """GPU: the CUDA kernels against the reference (poisoned outputs, odd sizes). Every test
-    runs for "auto" (held to the bounds of the kernel it resolves to), "mma_sync", "wgmma" and
-    "wgmma_ws" (the last two: compute capability 9.0 only)."""
-
+class _KernelTestBase(parameterized.TestCase):
     def setUp(self):
         super().setUp()
         testing.skip_unless_kernel(self, "w4a8_matmul")
         if testing.compute_capability() < (8, 9):
             self.skipTest("FP8 mma needs compute capability >= 8.9")
 
-    def _require(self, kernel, m=1):
+    def _require(self, kernel, m=1, *, grouped=False):
         if kernel in HOPPER_KERNELS and testing.compute_capability() != (9, 0):
             self.skipTest(f"{kernel} needs compute capability 9.0 (sm_90a)")
-        return _resolve(kernel, m)
+        return _resolve(kernel, m, grouped=grouped)
+
+    def _assert_close(self, got, want32, resolved, tol, what):
+        """float32 `want32`; `got` float32 (relative Frobenius error under `tol`) or bf16."""
+        self.assertTrue(bool(jnp.all(jnp.isfinite(got.astype(jnp.float32)))),
+                        f"non-finite (poison left?) {what}")
+        err = testing.rel_fro_err(got, want32)
+        self.assertLess(err, tol if got.dtype == jnp.float32 else 4e-3, what)
+        if got.dtype == jnp.bfloat16:  # every element within bf16 rounding of the truth
+            w32 = np.asarray(want32)
+            # plus, for wgmma, its FP8 accumulation error (~1e-4 of the RMS, Gaussian-like:
+            # 2e-3 of the RMS is far in the tail; an indexing bug is O(1))
+            rms = float(np.sqrt(np.mean(w32.astype(np.float64) ** 2)))
+            atol = 1e-6 * float(np.abs(w32).max()) if resolved == "mma_sync" else 2e-3 * rms
+            np.testing.assert_allclose(np.asarray(got, np.float32), w32, rtol=8e-3, atol=atol,
+                                       err_msg=what)
+
+
+class W4A8KernelTest(_KernelTestBase):
+    """GPU: the dense kernels against the reference (poisoned outputs, odd sizes). Every test
+    runs for "auto" (held to the bounds of the kernel it resolves to), "mma_sync", "wgmma_ws" and
+    "wgmma_ws_e4m3" (the last two: compute capability 9.0 only)."""
 
     def _check(self, m, n, k, kernel, *, w_scale=None, seed=None):
         resolved = self._require(kernel, m)
         seed = _seed() if seed is None else seed
         xq, xs, w = _operands(m, n, k, seed, w_scale=w_scale)
         want32 = reference.w4a8_matmul(xq, xs, w, out_dtype=jnp.float32)
-        for out_dtype, tol in ((jnp.float32, F32_TOL[resolved]), (jnp.bfloat16, 4e-3)):
+        for out_dtype in (jnp.float32, jnp.bfloat16):
             fn = functools.partial(ffi.w4a8_matmul, out_dtype=out_dtype, kernel=kernel)
             got = testing.call_with_poisoned_outputs(fn, xq, xs, w)
             self.assertEqual(got.dtype, out_dtype)
             self.assertEqual(got.shape, (m, n))
-            self.assertTrue(bool(jnp.all(jnp.isfinite(got.astype(jnp.float32)))),
-                            f"non-finite (poison left?) m={m} n={n} k={k} {kernel} seed={seed}")
-            err = testing.rel_fro_err(got, want32)
-            self.assertLess(err, tol, f"m={m} n={n} k={k} {kernel} {out_dtype} seed={seed}")
-            if out_dtype == jnp.bfloat16:  # every element within bf16 rounding of the truth
-                w32 = np.asarray(want32)
-                # plus, for wgmma, its FP8 accumulation error (~1e-4 of the RMS, Gaussian-like:
-                # 2e-3 of the RMS is far in the tail; an indexing bug is O(1))
-                atol = (1e-6 * float(np.abs(w32).max()) if resolved == "mma_sync"
-                        else 2e-3 * float(np.sqrt(np.mean(w32.astype(np.float64) ** 2))))
-                np.testing.assert_allclose(np.asarray(got, np.float32), w32, rtol=8e-3,
-                                           atol=atol, err_msg=f"{kernel} seed={seed}")
+            self._assert_close(got, want32, resolved, F32_TOL[resolved],
+                               f"m={m} n={n} k={k} {kernel} {jnp.dtype(out_dtype).name} "
+                               f"seed={seed}")
 
     @parameterized.product(
         kernel=KERNELS,
-        mnk=[(1, 256, 128), (97, 384, 256), (257, 264, 512), (300, 136, 384)],
+        mnk=[(1, 256, 128), (97, 384, 256), (257, 264, 512), (300, 136, 384), (130, 264, 704),
+             (33, 256, 2112), (5, 8, 32)],
     )
     def test_small(self, kernel, mnk):
+        # K = 704, 2112, 32: weights stored padded to 768, 2176, 128; the activations' last K
+        # tile is read past K as zeros.
         self._check(*mnk, kernel)
 
     @parameterized.parameters(*KERNELS)
@@ -405,9 +464,8 @@ class W4A8KernelTest(parameterized.TestCase):
 
     @parameterized.parameters(*HOPPER_KERNELS)
     def test_wgmma_error_does_not_grow_with_k(self, kernel):
-        # Promotion makes the error a property of 128- (wgmma) or 256-long (wgmma_ws) chunks:
-        # K=15360 must be no worse than a few times K=256 (unpromoted it grew ~16x: ~1e-4 at
-        # K=256, 1.6e-3 at K=15360).
+        # Promotion makes the error a property of 256-long chunks: K=15360 must be no worse than
+        # a few times K=256 (unpromoted it grew ~16x).
         self._require(kernel)
         if _under_compute_sanitizer():
             self.skipTest("large case: skipped under compute-sanitizer")
@@ -429,124 +487,169 @@ class W4A8KernelTest(parameterized.TestCase):
                 self._check(16500, 256, 256, kernel)
 
     @parameterized.named_parameters(
-        # On an H200 (132 SMs; other GPUs cut these differently, as correctly):
-        # 2 tiles of 32 K tiles: 8 CTAs of 8, each tile one owner and three later pieces;
+        # On a 132-SM GPU (other GPUs cut these differently, as correctly):
+        # 1 tile pair of 32 K tiles: pieces of 8, each tile one owner and three later pieces;
         dict(testcase_name="few_tiles_long_k", mnk=(100, 136, 4096)),
-        # 6 tiles of 13 K tiles (an odd count): runs of 8 that cross tiles, so a CTA's first
-        # piece (5 K tiles: a one-tile chain at its end) feeds one tile and its second owns the
-        # next; N and M tails in the split tiles;
+        # runs of 8 that cross tiles of 13 K tiles (an odd count, a one-tile chain at a piece's
+        # end); N and M tails in the split tiles;
         dict(testcase_name="odd_pieces", mnk=(300, 264, 1664)),
-        # 155 tiles: one whole wave on every SM, then the other 23 tiles' 16 K tiles in runs of 8
-        # over 46 CTAs.
-        dict(testcase_name="wave_then_stream_k", mnk=(1100, 3848, 2048)),
+        # one whole wave, then the rest split along K; K = 2112 is stored padded.
+        dict(testcase_name="wave_then_stream_k", mnk=(1100, 3848, 2112)),
     )
     def test_stream_k(self, mnk):
-        # wgmma_ws splits the last wave's tiles along K (csrc/w4a8/w4a8_sm90_ws.cu, "schedule");
-        # wgmma_ws_dp runs the same kernel on whole tiles; wgmma_ws_cluster splits the tile
-        # pairs of its 2-CTA clusters; the e4m3 variants keep the scratch's stream-K part
-        # before their expanded weights. All against the reference.
-        for kernel in ("wgmma_ws", "wgmma_ws_dp", "wgmma_ws_cluster", "wgmma_ws_e4m3",
-                       "wgmma_ws_e4m3_cluster"):
+        # wgmma_ws splits the last wave's tile pairs along K (csrc/w4a8/w4a8_sm90_ws.cu,
+        # "schedule"); the e4m3 instance keeps the scratch's stream-K part before its expanded
+        # weights. Both against the reference.
+        for kernel in HOPPER_KERNELS:
             self._check(*mnk, kernel)
 
-    def test_cluster_agrees_bitwise_on_whole_tiles(self):
-        # wgmma_ws_cluster computes each weight tile with the same wgmmas in the same order as
-        # wgmma_ws; only the activations' way into shared memory (half of each stage multicast
-        # by each CTA of a pair) and the tile-to-CTA assignment differ. With K <= 1024 neither
-        # splits a tile along K (a piece must save more than 8 K tiles), so the outputs must be
-        # equal bit for bit. N = 264 is 3 weight tiles: the second CTA of the last pair has
-        # only rows past N; (8389, 2056) has 33 x 9 pairs, several per cluster, with M and N
-        # tails; M = 1 leaves 255 of the 256 multicast rows zero-filled.
-        self._require("wgmma_ws_cluster")
+    def test_expanded_weights_agree_bitwise(self):
+        # The e4m3 instance takes the bytes wgmma_ws converts each weight word into, through
+        # shared memory instead of registers, and adds the same products in the same order into
+        # each output (a wgmma's N only groups output columns; the tiles are 192 activation rows
+        # instead of 256). Where no tile is split along K (K <= 1024: a piece must save more than
+        # 8 K tiles), equal bit for bit. M = EXPAND_MIN_ROWS is where "auto" starts to expand.
+        self._require("wgmma_ws_e4m3")
         seed = _seed()
-        shapes = [(97, 264, 384), (1, 8, 128), (1000, 520, 1024)]
+        shapes = [(97, 264, 384), (1, 8, 128), (1000, 520, 1024), (77, 136, 704)]
         if not _under_compute_sanitizer():
-            shapes.append((8389, 2056, 384))
+            shapes += [(8389, 2056, 384), (w4a8_module.EXPAND_MIN_ROWS, 520, 512)]
         for m, n, k in shapes:
             xq, xs, w = _operands(m, n, k, seed + m)
             for dtype in (jnp.float32, jnp.bfloat16):
                 want = ffi.w4a8_matmul(xq, xs, w, out_dtype=dtype, kernel="wgmma_ws")
-                got = testing.call_with_poisoned_outputs(
-                    functools.partial(ffi.w4a8_matmul, out_dtype=dtype,
-                                      kernel="wgmma_ws_cluster"), xq, xs, w)
-                np.testing.assert_array_equal(
-                    np.asarray(got, np.float32), np.asarray(want, np.float32),
-                    err_msg=f"m={m} n={n} k={k} {jnp.dtype(dtype).name} seed={seed}")
-
-    def test_expanded_weights_agree_bitwise(self):
-        # The e4m3 variants take the bytes the others convert each weight word into, through
-        # shared memory instead of registers, and add the same products in the same order into
-        # each output (a wgmma's N only groups output columns; the tiles are 192 activation rows
-        # instead of 256). Where no tile is split along K (K <= 1024: a piece must save more
-        # than 8 K tiles; the split points depend on the tile count), equal bit for bit. M tails
-        # of both tilings; M = 4096 is where "auto" starts to expand.
-        self._require("wgmma_ws_e4m3")
-        seed = _seed()
-        shapes = [(97, 264, 384), (1, 8, 128), (1000, 520, 1024)]
-        if not _under_compute_sanitizer():
-            shapes += [(8389, 2056, 384), (w4a8_module.EXPAND_MIN_ROWS, 520, 512)]
-        pairs = (("wgmma_ws", "wgmma_ws_e4m3"), ("wgmma_ws_cluster", "wgmma_ws_e4m3_cluster"))
-        for m, n, k in shapes:
-            xq, xs, w = _operands(m, n, k, seed + m)
-            for dtype in (jnp.float32, jnp.bfloat16):
-                got = {}
-                for converted, expanded in pairs:
-                    want = ffi.w4a8_matmul(xq, xs, w, out_dtype=dtype, kernel=converted)
-                    got[expanded] = np.asarray(testing.call_with_poisoned_outputs(
-                        functools.partial(ffi.w4a8_matmul, out_dtype=dtype, kernel=expanded),
-                        xq, xs, w), np.float32)
-                    np.testing.assert_array_equal(
-                        got[expanded], np.asarray(want, np.float32),
-                        err_msg=f"{expanded} m={m} n={n} k={k} {jnp.dtype(dtype).name} "
-                                f"seed={seed}")
+                got = np.asarray(testing.call_with_poisoned_outputs(
+                    functools.partial(ffi.w4a8_matmul, out_dtype=dtype, kernel="wgmma_ws_e4m3"),
+                    xq, xs, w), np.float32)
+                np.testing.assert_array_equal(got, np.asarray(want, np.float32),
+                                              err_msg=f"m={m} n={n} k={k} "
+                                                      f"{jnp.dtype(dtype).name} seed={seed}")
                 if m >= w4a8_module.EXPAND_MIN_ROWS:  # "auto" expands here
                     auto = ffi.w4a8_matmul(xq, xs, w, out_dtype=dtype)
-                    np.testing.assert_array_equal(np.asarray(auto, np.float32),
-                                                  got[_resolve("auto", m)])
+                    np.testing.assert_array_equal(np.asarray(auto, np.float32), got)
 
-    def test_handler_refuses_a_workspace_without_room_for_the_expanded_weights(self):
-        # The wrapper sizes the scratch; the handler checks it again (an ffi::Error naming the
-        # workspace, no launch) when a caller of the custom call gives an expanding variant
-        # less: the e4m3 kernels, and "auto" with room for the expanded weights (8).
+    def test_handlers_refuse_what_the_wrappers_would(self):
+        # The custom calls past every Python check: the handlers answer INVALID_ARGUMENT naming
+        # the argument (no launch): a workspace without room for the expanded weights, K that
+        # does not fit the stored K, a grouped call's E that disagrees with group_sizes, the e4m3
+        # instance on a grouped call.
         self._require("wgmma_ws_e4m3")
         xq, xs, w = _operands(64, 136, 256, _seed())
-        for variant in (w4a8_module.KERNELS["wgmma_ws_e4m3"],
-                        w4a8_module.KERNELS["wgmma_ws_e4m3_cluster"], 8):
-            call = jax.ffi.ffi_call(
-                "jax_mila_w4a8_matmul",
-                (jax.ShapeDtypeStruct((64, 136), jnp.bfloat16),
-                 jax.ShapeDtypeStruct((136 * 256 + 255,), jnp.uint8)))  # N x K + 256 needed
-            with self.subTest(variant=variant), \
-                 self.assertRaisesRegex(Exception, r"workspace: .*needs at least N x K"):
-                jax.block_until_ready(call(xq, xs, w.packed, w.scales, w.channel_exp,
-                                           variant=np.int64(variant)))
+        v = w4a8_module.KERNELS
+        out = jax.ShapeDtypeStruct((64, 136), jnp.bfloat16)
 
-    def test_conversion_orders_agree_bitwise(self):
-        # wgmma_ws converts a chain's weights before its wgmmas; JAX_MILA_W4A8_WS_CONVERT=
-        # interleaved (read once per process) converts each block just before its first-half
-        # wgmma. The same wgmmas run in the same order either way: the outputs must be equal
-        # bit for bit (a split tile included: (300, 264, 1664) is cut by stream-K).
-        self._require("wgmma_ws")
-        seed = _seed()
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "interleaved.npy")
-            env = dict(os.environ, JAX_MILA_W4A8_WS_CONVERT="interleaved")
-            code = (f"import sys; sys.path[:0] = {sys.path!r}; import numpy as np; "
-                    f"import test_w4a8 as t; np.save({out!r}, t._conversion_order_output({seed}))")
-            subprocess.run([sys.executable, "-c", code], env=env, check=True,
-                           cwd=os.path.dirname(os.path.abspath(__file__)))
-            np.testing.assert_array_equal(_conversion_order_output(seed), np.load(out),
-                                          err_msg=f"seed={seed}")
+        def dense(x, variant, workspace):
+            call = jax.ffi.ffi_call("jax_mila_w4a8_matmul",
+                                    (out, jax.ShapeDtypeStruct((workspace,), jnp.uint8)))
+            return call(x, xs, w.packed, w.scales, w.channel_exp, variant=np.int64(variant))
+
+        with self.assertRaisesRegex(Exception, r"workspace: .* needs at least"):
+            jax.block_until_ready(dense(xq, v["wgmma_ws_e4m3"], 136 * 256 + 255))
+        with self.assertRaisesRegex(Exception, r"x_fp8, w: K=96 does not fit"):
+            jax.block_until_ready(dense(xq[:, :96], v["wgmma_ws"], 1 << 22))
+        xg, sg, wg, gs = _grouped_operands((30, 34), 136, 256, _seed())
+
+        def grouped(sizes, variant):
+            call = jax.ffi.ffi_call("jax_mila_grouped_w4a8_matmul",
+                                    (out, jax.ShapeDtypeStruct((1 << 16,), jnp.uint8)))
+            return call(xg, sg, wg.packed, wg.scales, wg.channel_exp, sizes,
+                        variant=np.int64(variant))
+
+        with self.assertRaisesRegex(Exception, r"w.packed: expected \[E, N, Kp/2\] with E = 3"):
+            jax.block_until_ready(grouped(jnp.asarray([30, 34, 0], jnp.int32), v["wgmma_ws"]))
+        with self.assertRaisesRegex(Exception, r"grouped calls convert the weights in registers"):
+            jax.block_until_ready(grouped(gs, v["wgmma_ws_e4m3"]))
 
     @parameterized.parameters(*KERNELS)
     def test_more_tiles_than_sms(self, kernel):
-        # 33 x 17 = 561 output tiles of wgmma_ws (256 x 128) on 132 SMs: every CTA of the
-        # persistent kernel runs several tiles (the mbarrier phases and the epilogue buffers
-        # carry over between them), with an M tail (8389 = 32 * 256 + 197) and an N tail
-        # (2056 = 16 * 128 + 8) in the raster.
+        # 33 x 17 output tiles of wgmma_ws (256 x 128) on 132 SMs: every CTA of the persistent
+        # kernel runs several tiles (the mbarrier phases and the epilogue buffers carry over
+        # between them), with an M tail (8389 = 32 * 256 + 197) and an N tail (2056 = 16 * 128 +
+        # 8) in the raster.
         if _under_compute_sanitizer():
             self.skipTest("large case: skipped under compute-sanitizer")
         self._check(8389, 2056, 384, kernel)
+
+
+class GroupedW4A8KernelTest(_KernelTestBase):
+    """GPU: the grouped kernels against the reference: random and skewed routing, empty experts,
+    groups that are not tile multiples, K stored padded, rows past the groups, poisoned outputs."""
+
+    def _check(self, sizes, n, k, kernel, *, m=None, seed=None):
+        resolved = self._require(kernel, grouped=True)
+        seed = _seed() if seed is None else seed
+        xq, xs, w, gs = _grouped_operands(sizes, n, k, seed, m=m)
+        want32 = reference.grouped_w4a8_matmul(xq, xs, w, gs, out_dtype=jnp.float32)
+        for out_dtype in (jnp.float32, jnp.bfloat16):
+            fn = functools.partial(ffi.grouped_w4a8_matmul, out_dtype=out_dtype, kernel=kernel)
+            got = testing.call_with_poisoned_outputs(fn, xq, xs, w, gs)
+            self.assertEqual(got.shape, (xq.shape[0], n))
+            self._assert_close(got, want32, resolved, F32_TOL[resolved],
+                               f"sizes={sizes} n={n} k={k} {kernel} "
+                               f"{jnp.dtype(out_dtype).name} seed={seed}")
+
+    @parameterized.product(
+        kernel=GROUPED_KERNELS,
+        case=[((97,), 136, 256), ((5, 0, 300, 1, 0, 64), 264, 704), ((0, 0, 513), 128, 384),
+              ((256, 256, 255, 257), 8, 128), ((1,) * 9, 1408, 2816)],
+    )
+    def test_small(self, kernel, case):
+        self._check(*case, kernel)
+
+    @parameterized.parameters(*GROUPED_KERNELS)
+    def test_rows_past_the_groups_are_zeros(self, kernel):
+        # The sizes add up to fewer rows than x has (traced sizes: the kernel's reading).
+        self._require(kernel, grouped=True)
+        xq, xs, w, _ = _grouped_operands((40, 20), 64, 256, _seed(), m=100)
+        gs = jnp.asarray([40, 20], jnp.int32)
+        fn = jax.jit(functools.partial(ffi.grouped_w4a8_matmul, out_dtype=jnp.float32,
+                                       kernel=kernel))
+        got = np.asarray(testing.call_with_poisoned_outputs(fn, xq, xs, w, gs))
+        np.testing.assert_array_equal(got[60:], 0.0)
+        self.assertLess(testing.rel_fro_err(got[:60], _exact_grouped(xq, xs, w, gs)[:60]),
+                        F32_TOL[_resolve(kernel, grouped=True)])
+
+    @parameterized.parameters(*GROUPED_KERNELS)
+    def test_moe_26b_shapes(self, kernel):
+        # The 26B-A4B's expert GEMMs (128 experts, gate_up 2816 -> 1408, down 704 -> 2816) on
+        # 1024 tokens x top-8, random and skewed routing (half the rows on one expert).
+        if _under_compute_sanitizer():
+            self.skipTest("large case: skipped under compute-sanitizer")
+        rng = np.random.default_rng(_seed())
+        for skew in (False, True):
+            p = np.full(128, 1.0)
+            if skew:
+                p[rng.integers(128)] = 127.0
+            sizes = tuple(rng.multinomial(8192, p / p.sum()))
+            for n, k in ((1408, 2816), (2816, 704)):
+                with self.subTest(skew=skew, n=n, k=k):
+                    self._check(sizes, n, k, kernel)
+
+    def test_single_expert_equals_dense_bitwise(self):
+        # One expert's rows go through the same wgmmas in the same order as the dense wgmma_ws
+        # (K <= 1024: no stream-K split), so the outputs are equal bit for bit.
+        self._require("wgmma_ws")
+        seed = _seed()
+        for m, n, k in ((300, 264, 384), (1, 8, 704), (2049, 1408, 1024)):
+            xq, xs, w, gs = _grouped_operands((m,), n, k, seed + m)
+            dense_w = jax.tree.map(lambda a: a[0], w)
+            for dtype in (jnp.float32, jnp.bfloat16):
+                want = ffi.w4a8_matmul(xq, xs, dense_w, out_dtype=dtype, kernel="wgmma_ws")
+                got = ffi.grouped_w4a8_matmul(xq, xs, w, gs, out_dtype=dtype, kernel="wgmma_ws")
+                np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                              np.asarray(want, np.float32),
+                                              err_msg=f"m={m} n={n} k={k} seed={seed}")
+
+    def test_routing_changes_without_recompiling(self):
+        self._require("auto", grouped=True)
+        xq, xs, w, _ = _grouped_operands((100, 100, 100), 136, 256, _seed())
+        fn = jax.jit(ffi.grouped_w4a8_matmul)
+        for sizes in ((100, 100, 100), (0, 300, 0), (299, 0, 1), (3, 7, 11)):
+            gs = jnp.asarray(sizes, jnp.int32)
+            got = fn(xq, xs, w, gs)
+            want = reference.grouped_w4a8_matmul(xq, xs, w, gs)
+            self.assertLess(testing.rel_fro_err(got, want), 4e-3, sizes)
+        self.assertEqual(fn._cache_size(), 1)
 
 
 class W4A8BuildWithoutSm90aTest(absltest.TestCase):

@@ -1,12 +1,14 @@
-// Device helpers shared by the W4A8 kernels (w4a8.cu: mma.sync and wgmma; w4a8_sm90_ws.cu:
-// warp-specialized wgmma): K-tile constants, the e2m1 -> e4m3 conversion of one weight word
-// (see w4a8.cu's header comment for why it is exact), the channel scale of the epilogue and the
-// grouped tile raster. Internal linkage: each kernel file gets its own copy.
+// Device helpers shared by the W4A8 kernels (w4a8.cu: mma.sync; w4a8_sm90_ws.cu: warp-specialized
+// wgmma; w4a8_expand.cu): K-tile constants, the e2m1 -> e4m3 conversion of one weight word (see
+// w4a8.cu's header comment for why it is exact), the channel scale of the epilogue, the tile
+// raster of dense calls and the tile list of grouped ones. Internal linkage: each kernel file
+// gets its own copy.
 #pragma once
 
 #include <cstdint>
 
 #include "common/ptx.cuh"
+#include "w4a8/w4a8_kernel.h"
 
 // Archs below a kernel's minimum compile its body away and leave these unused.
 #pragma nv_diag_suppress 177
@@ -51,7 +53,7 @@ __device__ __forceinline__ float channel_scale(const uint8_t* channel_exp, int n
 // activation rows). acc[4j + e] = y^T[weight row n0 + col (+8 if e >= 2)][activation row
 // m0 + 8j + 2q (+1 if e odd)] for this thread's quad q; scaled by the channel and row scales
 // and stored directly (the 8 lanes of a quad column write 32 contiguous bytes, a sector).
-// Rows >= M and columns >= N are not stored.
+// Rows >= M (the tile's row end) and columns >= N are not stored.
 template <int kRows>
 __device__ __forceinline__ void store_f32_tile(const float (&acc)[kRows / 2], float* out,
                                                const float* x_scale, int64_t m0, int64_t M, int n0,
@@ -67,6 +69,28 @@ __device__ __forceinline__ void store_f32_tile(const float (&acc)[kRows / 2], fl
       if (n0 + col + 8 < N) out[r * N + n0 + col + 8] = acc[4 * j + 2 + e] * ws1 * xs;
     }
   }
+}
+
+// One output tile: activation rows [m0, m_end) (m_end: M, or the end of the tile's expert
+// group), weight rows n0 .. n0 + 127 of the expert's N, which start at row w_row0 of the
+// [E x N, Kp] weight arrays.
+struct Tile {
+  int64_t m0, m_end, w_row0;
+  int n0;
+};
+__device__ __forceinline__ Tile dense_tile(const W4A8Args& args, int tm, int tn, int bm, int bn) {
+  return {static_cast<int64_t>(tm) * bm, args.m, static_cast<int64_t>(tn) * bn, tn * bn};
+}
+// Grouped calls: the number of M tiles in the list w4a8_groups.cu wrote into the workspace, and
+// output tile (entry mt, weight tile tn).
+__device__ __forceinline__ int group_tile_count(const W4A8Args& args) {
+  return *static_cast<const int32_t*>(args.workspace);
+}
+__device__ __forceinline__ Tile group_tile(const W4A8Args& args, int mt, int tn, int bn) {
+  const int4 e = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(args.workspace) +
+                                               kW4A8GroupHeaderBytes)[mt];
+  const int n0 = tn * bn;
+  return {e.y, e.z, static_cast<int64_t>(e.x) * args.n + n0, n0};
 }
 
 // Grouped raster: consecutive CTAs walk `group_m` M tiles for one N tile, so the weight tile

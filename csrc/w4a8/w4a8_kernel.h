@@ -1,19 +1,18 @@
 // W4A8 GEMM: y[M, N] = (x_fp8[M, K] * x_scale[M]) @ W[N, K]^T, W in MXFP4 (jax_mila/quant/mxfp4.py:
-// e2m1 codes packed in kernel order, e8m0 block exponents, a per-channel reference exponent).
-// FP8 tensor cores with float32 accumulation; the weights stay 4-bit in memory and become e4m3
-// in registers right before the MMA, or (the e4m3 variants, which "auto" picks on Hopper from
-// jax_mila.ffi.w4a8.EXPAND_MIN_ROWS activation rows up) in a scratch buffer for the call's
-// duration. Three kernels:
-//   wgmma (sm_90a): the converted weight tile is the register A operand of wgmma.m64n128k32
-//     (the FP8 weights never touch shared memory, only the packed ones), the activations the
-//     shared-memory B operand; computes y^T tiles and transposes them through shared memory in
-//     the epilogue. Partial sums are promoted to fp32 registers every 128 of K (Hopper's FP8
-//     wgmma accumulates at ~14 bits).
-//   wgmma_ws (sm_90a, w4a8_sm90_ws.cu): the same math, warp-specialized (TMA producer
-//     warpgroup, mbarrier ring, two consumer warpgroups, persistent tile scheduler); its e4m3
-//     instance takes weights that w4a8_expand.cu wrote as e4m3 first, as a shared-memory operand.
-//   mma.sync (sm_89+): m16n8k32 FP8 mma. Native on sm_89/sm_120; on sm_90 ptxas lowers FP8
-//     mma.sync to F2FP + two HMMA.16816 (fp16 rate), so Hopper uses the wgmma kernel.
+// e2m1 codes packed in kernel order, e8m0 block exponents, a per-channel reference exponent),
+// on FP8 tensor cores with float32 accumulation; the weights stay 4-bit in memory. The grouped
+// form multiplies rows sorted by expert with their expert's weight (mixture of experts).
+// Design: docs/design/w4a8.md. Kernels:
+//   wgmma_ws (sm_90a, w4a8_sm90_ws.cu): warp-specialized (TMA producer warpgroup, mbarrier ring,
+//     two consumer warpgroups), persistent; the weights become e4m3 register A operands of
+//     wgmma.m64n128k32 (activations are the shared-memory B operand: y^T tiles), partial sums
+//     promoted to float32 every 256 of K. Dense problems run it on 2-CTA clusters sharing each
+//     activation tile through TMA multicast, with stream-K for the last wave's tiles; from
+//     kW4A8ExpandMinRows rows on weights expanded to e4m3 first (w4a8_expand.cu) as the
+//     shared-memory A operand. Grouped problems walk a tile list built on the device
+//     (w4a8_groups.cu).
+//   mma.sync (sm_89+, w4a8.cu): m16n8k32 FP8 mma, dense and grouped. Native on sm_89; on sm_90
+//     ptxas lowers FP8 mma.sync to fp16 HMMA, so Hopper uses wgmma_ws.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -23,10 +22,11 @@
 
 namespace mila {
 
-// Size limits (the Python wrapper checks the same): K is walked in tiles of 128 (one kernel-order
-// group of the weight), output rows are written in 8-column groups; M is free (rows past M are
-// masked).
+// K: the weights are stored in groups of 128 (kW4A8KMultiple) values of K, zero-padded; the
+// activations may be shorter by less than a group, in whole MXFP4 blocks (kW4A8KBlock). Output
+// rows are written in 8-column groups. M is free (rows past M are masked).
 constexpr int kW4A8KMultiple = 128;
+constexpr int kW4A8KBlock = 32;
 constexpr int kW4A8NMultiple = 8;
 // Minimum compute capability (10 * major + minor) of the FP8 mma.
 constexpr int kW4A8MinComputeCapability = 89;
@@ -34,89 +34,106 @@ constexpr int kW4A8MinComputeCapability = 89;
 // per CTA one float32 partial of its 128 x 256 output tile.
 constexpr int64_t kW4A8FlagBytes = 4096;
 constexpr int64_t kW4A8SlotBytes = 128 * 256 * 4;
-// The e4m3 variants also expand the weights into the workspace's last N x K bytes (from a
-// 256-byte aligned address; the stream-K scratch is what lies before), so the workspace holds
-// N x K + kW4A8ExpandAlign bytes more.
+// The e4m3 instance expands the weights into the workspace's last N x Kp bytes (from a 256-byte
+// aligned address; the stream-K scratch is what lies before).
 constexpr int64_t kW4A8ExpandAlign = 256;
+// Activation rows from which kAuto expands the weights on Hopper (the caller must then size the
+// workspace for it: W4A8WorkspaceBytes).
+constexpr int64_t kW4A8ExpandMinRows = 4096;
+// Grouped problems: at most this many experts, each a contiguous run of rows; wgmma_ws cuts
+// them into tiles of kW4A8WsGroupRows rows (mma.sync: 128).
+constexpr int kW4A8MaxExperts = 1024;
+constexpr int kW4A8WsGroupRows = 256;
 
 struct W4A8Args {
   const uint8_t* x;            // float8_e4m3fn [M, K]
   const float* x_scale;        // [M]
-  const uint8_t* packed;       // [N, K / 2], e2m1 codes in kernel order
-  const uint8_t* scales;       // [N, K / 32], e8m0
-  const uint8_t* channel_exp;  // [N], max over blocks of scales
+  const uint8_t* packed;       // [E x N, Kp / 2], e2m1 codes in kernel order
+  const uint8_t* scales;       // [E x N, Kp / 32], e8m0
+  const uint8_t* channel_exp;  // [E x N], max over blocks of scales
   void* out;                   // [M, N], bfloat16 or float32 (out_f32)
-  // Scratch of the stream-K schedule (wgmma_ws only): kW4A8FlagBytes of flags, then one
-  // kW4A8SlotBytes partial tile per stream-K CTA. Fewer slots than SMs only narrow the schedule.
+  // Scratch (jax_mila/ffi/w4a8.py sizes it): dense wgmma_ws takes its stream-K flags and
+  // partials, and the expanded weights; grouped calls take their tile list.
   void* workspace = nullptr;
   int64_t workspace_bytes = 0;
-  bool out_f32;
-  int64_t m;
-  int n;
-  int k;
+  // Grouped problems: rows [offset_e, offset_e + group_sizes[e]) use expert e's weight
+  // (offset_e = the sum of the sizes before e), nullptr for a dense problem (E = 1).
+  const int32_t* group_sizes = nullptr;
+  int experts = 1;
+  bool out_f32 = false;
+  int64_t m = 0;
+  int n = 0;   // output columns per expert
+  int k = 0;   // activation columns: a multiple of kW4A8KBlock, kp - 128 < k <= kp
+  int kp = 0;  // the weights' stored K, a multiple of kW4A8KMultiple
 };
 
-// Which kernel runs: kAuto picks wgmma_ws_cluster on compute capability 9.0 (wgmma_ws with
-// JAX_MILA_W4A8_CLUSTER=1), mma.sync otherwise; kAutoExpanded the same but for their e4m3
-// variants on 9.0, where the caller gave the workspace room for the expanded weights (the
-// Python wrapper sends it from EXPAND_MIN_ROWS activation rows up).
-// kWgmmaWs: the warp-specialized sm_90a kernel (TMA producer, persistent, stream-K for the tiles
-// of the last wave; w4a8_sm90_ws.cu); kWgmmaWsDp: the same kernel on whole tiles only (the
-// data-parallel schedule, for comparison); kWgmmaWsCluster: the same kernel on 2-CTA clusters
-// that share each activation tile through TMA multicast. kWgmmaWsE4m3 / kWgmmaWsE4m3Cluster:
-// the weights are first expanded to e4m3 in the workspace (LaunchW4A8ExpandWeights), and the
-// kWgmmaWs / kWgmmaWsCluster kernel takes them through TMA as its shared-memory A operand: no
-// conversion in the GEMM, each weight converted once per call instead of once per activation
-// tile (M / 256 times).
+// Which kernel runs. kAuto: wgmma_ws on compute capability 9.0 when the build has sm_90a code
+// (dense: on expanded weights from kW4A8ExpandMinRows rows up), mma.sync otherwise. The others
+// name one kernel (tests and benchmarks): kWgmmaWs converts the weights in registers, kWgmmaWsE4m3
+// expands them first (dense only).
 enum class W4A8Variant : int {
   kAuto = 0,
   kMmaSync = 1,
-  kWgmma = 2,
-  kWgmmaWs = 3,
-  kWgmmaWsDp = 4,
-  kWgmmaWsCluster = 5,
-  kWgmmaWsE4m3 = 6,
-  kWgmmaWsE4m3Cluster = 7,
-  kAutoExpanded = 8,
+  kWgmmaWs = 2,
+  kWgmmaWsE4m3 = 3,
 };
-constexpr int64_t kW4A8LastVariant = static_cast<int64_t>(W4A8Variant::kAutoExpanded);
+constexpr int64_t kW4A8LastVariant = static_cast<int64_t>(W4A8Variant::kWgmmaWsE4m3);
 
-// What kAuto and kAutoExpanded run on a device of compute capability `cc` (10 * major +
-// minor); any other variant as it is.
-W4A8Variant ResolveW4A8Variant(W4A8Variant variant, int cc);
+// What kAuto runs for `args` on a device of compute capability `cc` (10 * major + minor); any
+// other variant as it is.
+W4A8Variant ResolveW4A8Variant(W4A8Variant variant, const W4A8Args& args, int cc);
 
-// Requires k % 128 == 0, n % 8 == 0, 16-byte aligned pointers for x, packed and out, and
-// compute capability >= 8.9 (`cc`, 10 * major + minor); the wgmma variants require cc == 90 and
-// a build for sm_90a (kAuto picks them only then). Kernels compiled for older archs are empty:
-// W4A8CodeProblem says when the build would launch one.
+// The scratch a call of `variant` needs at least (the handler refuses less): the grouped tile
+// list, or for kWgmmaWsE4m3 the expanded weights. Stream-K slots beyond that are optional.
+int64_t W4A8RequiredWorkspace(W4A8Variant variant, const W4A8Args& args);
+
+// Requires the sizes above, 16-byte aligned x, packed and out, and compute capability >= 8.9
+// (`cc`); the wgmma variants require cc == 90 and a build for sm_90a. Kernels compiled for
+// older archs are empty: W4A8CodeProblem says when the build would launch one.
 cudaError_t LaunchW4A8Matmul(const W4A8Args& args, W4A8Variant variant, int cc,
                              cudaStream_t stream);
 
-// Why this build cannot run `variant` on a device of compute capability `cc`, or nullptr. The
-// mma.sync kernel needs code compiled for compute_89 or newer, the wgmma kernels sm_90a code: a
-// build whose architectures lack them would give such a device an empty kernel (its PTX of an
-// older arch, JIT-compiled) that returns without writing the output. `compiled_for` receives the
-// PTX version (10 * major + minor) of the mma.sync code the device loads, 0 if it has none.
+// Why this build cannot run `variant` (resolved) on a device of compute capability `cc`, or
+// nullptr. The mma.sync kernel needs code compiled for compute_89 or newer, the wgmma kernels
+// sm_90a code: a build whose architectures lack them would give such a device an empty kernel
+// (its PTX of an older arch, JIT-compiled) that returns without writing the output.
+// `compiled_for` receives the PTX version (10 * major + minor) of the mma.sync code the device
+// loads, 0 if it has none.
 const char* W4A8CodeProblem(W4A8Variant variant, int cc, int* compiled_for);
 
-// The kWgmmaWs kernel (w4a8_sm90_ws.cu); LaunchW4A8Matmul's checks apply, and cc must be 90.
-// stream_k: split the last wave's tiles along K over all SMs (needs args.workspace); cluster:
-// 1, or 2 for the multicast instance; e4m3: expand the weights into the workspace first and
-// run the shared-memory-A instance on them (cudaErrorInvalidValue if the workspace lacks
-// W4A8ExpandBytes).
-cudaError_t LaunchW4A8WgmmaWs(const W4A8Args& args, bool stream_k, int cluster, bool e4m3,
-                              cudaStream_t stream);
+// ---- pieces shared by the launchers (not kernels' public API) ------------------------------
 
-// The least workspace the e4m3 variants take: the expanded weights and their alignment. The
-// stream-K scratch goes before them (the Python wrapper adds one slot per SM); with less room
-// there, fewer of the last wave's tiles are split, with none, whole tiles only.
-inline int64_t W4A8ExpandBytes(int n, int k) {
-  return static_cast<int64_t>(n) * k + kW4A8ExpandAlign;
+// wgmma_ws (w4a8_sm90_ws.cu); cc must be 90. Dense: 2-CTA clusters, stream-K where the
+// workspace has slots, e4m3 = on expanded weights (needs W4A8ExpandBytes). Grouped: one CTA per
+// unit on the tile list that LaunchW4A8GroupTiles wrote into the workspace.
+cudaError_t LaunchW4A8WgmmaWs(const W4A8Args& args, bool e4m3, cudaStream_t stream);
+
+// The least workspace the e4m3 instance takes: the expanded weights and their alignment.
+inline int64_t W4A8ExpandBytes(int n, int kp) {
+  return static_cast<int64_t>(n) * kp + kW4A8ExpandAlign;
 }
 
-// MXFP4 weights (args.packed, scales, channel_exp; args.n x args.k) -> e4m3 [N, K] at `out`
-// (16-byte aligned), K in natural order: the bytes the wgmma kernels convert each word into
-// (w4a8_expand.cu). Any compute capability.
+// MXFP4 weights (args.packed, scales, channel_exp; args.n x args.kp) -> e4m3 [N, Kp] at `out`
+// (16-byte aligned), K in natural order (w4a8_expand.cu). Any compute capability.
 cudaError_t LaunchW4A8ExpandWeights(const W4A8Args& args, uint8_t* out, cudaStream_t stream);
+
+// Grouped problems (w4a8_groups.cu). The tile list in the workspace: a header of 16 bytes (the
+// number of M tiles, int32), then one W4A8GroupTile per M tile of `rows` activation rows, in
+// expert order. Group sizes are read on the device: negative sizes count as 0, and groups end at
+// row M. Rows past the last group are written with zeros by the same launch.
+struct W4A8GroupTile {
+  int32_t expert;
+  int32_t row0;   // first activation row
+  int32_t row_end;  // one past the tile's last row of this expert (row0 + rows at most)
+  int32_t pad;
+};
+constexpr int64_t kW4A8GroupHeaderBytes = 16;
+inline int64_t W4A8GroupTileCapacity(int64_t m, int experts, int rows) {
+  return (m + rows - 1) / rows + experts;
+}
+inline int64_t W4A8GroupListBytes(int64_t m, int experts, int rows) {
+  return kW4A8GroupHeaderBytes + W4A8GroupTileCapacity(m, experts, rows) * 16;
+}
+cudaError_t LaunchW4A8GroupTiles(const W4A8Args& args, int rows, cudaStream_t stream);
 
 }  // namespace mila

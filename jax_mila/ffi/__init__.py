@@ -5,7 +5,7 @@ from jax_mila.ffi._registry import DISABLE_ENV, OPS, OpStatus, available, build_
 from jax_mila.ffi.attention import flash_attention
 from jax_mila.ffi.norm_rope import rms_norm_rope
 from jax_mila.ffi.quantize import add_rms_norm_quantize, quantize_activations, quantize_geglu
-from jax_mila.ffi.w4a8 import w4a8_matmul
+from jax_mila.ffi.w4a8 import grouped_w4a8_matmul, w4a8_matmul
 
 __all__ = [
     "DISABLE_ENV",
@@ -15,6 +15,7 @@ __all__ = [
     "available",
     "build_info",
     "flash_attention",
+    "grouped_w4a8_matmul",
     "quantize_activations",
     "quantize_geglu",
     "rms_norm_rope",

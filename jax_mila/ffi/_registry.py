@@ -34,6 +34,7 @@ OPS: dict[str, tuple[str, ...]] = {
                         "jax_mila_flash_attention_d512_sm90_rotary_keys",
                         "jax_mila_flash_attention_d256_sm90"),
     "w4a8_matmul": ("jax_mila_w4a8_matmul",),
+    "grouped_w4a8_matmul": ("jax_mila_grouped_w4a8_matmul",),
 }
 
 

@@ -45,7 +45,7 @@ def _plan(model, prefix: str):
     entries = []
     for module_path, linear in loader.quantized_linears(model):
         name = loader.linear_weight_name(module_path, prefix)
-        entries.append((name, (linear.out_features, linear.in_features), True))
+        entries.append((name, loader.weight_shape(linear), True))
     for param_path, var in loader.dense_params(model):
         name, perm = loader._checkpoint_name(param_path, prefix)
         shape = tuple(var.get_value().shape)

@@ -7,8 +7,8 @@
 - Builds the model abstractly (nnx.eval_shape: no weights are allocated), then fills each
   parameter from its tensor one at a time (PyTorch [out, in] -> Flax [in, out] transposed once,
   cast to the model dtype), so host memory never holds two full copies of the weights.
-- ``quantize="w4a8"``: linears the W4A8 kernel can take are quantized to MXFP4 as each tensor
-  is read (or read as stored from a converted checkpoint; names in mxfp4_names.py).
+- ``quantize="w4a8"``: linears and experts the W4A8 kernels can take are quantized to MXFP4 as
+  each tensor is read (or read as stored from a converted checkpoint; names in mxfp4_names.py).
 - Every parameter must come from the checkpoint: a missing or mis-shaped tensor raises
   CheckpointError naming the tensor, the expected and the found shape.
 """
@@ -67,10 +67,11 @@ def _checkpoint_name(path: tuple, prefix: str) -> tuple[str, tuple[int, ...] | N
     """HF tensor name of a parameter path, and the axis permutation from HF to Flax layout."""
     parts = [str(p) for p in path]
     leaf = parts[-1]
-    if leaf == "kernel":  # nn.Linear: torch [out, in] -> [in, out]
+    if leaf == "kernel" and len(parts) >= 3 and parts[-3] == "experts":
+        # nn.GroupedLinear: HF's raw parameter experts.<proj> [E, out, in] -> [E, in, out]
+        parts, perm = parts[:-1], (0, 2, 1)
+    elif leaf == "kernel":  # nn.Linear: torch [out, in] -> [in, out]
         parts[-1], perm = "weight", (1, 0)
-    elif parts[-2:] in (["experts", "gate_up_proj"], ["experts", "down_proj"]):  # [E, out, in] -> [E, in, out]
-        perm = (0, 2, 1)
     else:
         perm = None
     name = ".".join(parts)
@@ -86,14 +87,23 @@ def find_prefix(path: str, files: dict[str, str]) -> str:
 
 
 def linear_weight_name(module_path: tuple, prefix: str) -> str:
-    """HF name (``...weight``) of the weight of the nn.Linear at ``module_path``."""
+    """HF name of the weight of the nn.Linear (``...weight``) or nn.GroupedLinear (the raw
+    expert tensor, ``...experts.down_proj``) at ``module_path``."""
     return _checkpoint_name(tuple(module_path) + ("kernel",), prefix)[0]
 
 
+def weight_shape(module) -> tuple[int, ...]:
+    """The HF shape of a linear's ([out, in]) or experts' ([E, out, in]) weight."""
+    if isinstance(module, nn.GroupedLinear):
+        return (module.num_experts, module.out_features, module.in_features)
+    return (module.out_features, module.in_features)
+
+
 def quantized_linears(model: Gemma4ForCausalLM):
-    """(module path, Linear) of every linear of ``model`` that holds an MXFP4 weight."""
+    """(module path, module) of every nn.Linear and nn.GroupedLinear of ``model`` that holds an
+    MXFP4 weight."""
     for path, node in nnx.iter_graph(model):
-        if isinstance(node, nn.Linear) and node.quantize == "w4a8":
+        if isinstance(node, (nn.Linear, nn.GroupedLinear)) and node.quantize == "w4a8":
             yield path, node
 
 
@@ -130,24 +140,24 @@ class _Reader:
         return tensor
 
 
-def read_mxfp4(reader: _Reader, weight_name: str, out_features: int, in_features: int,
+def read_mxfp4(reader: _Reader, weight_name: str, shape: tuple[int, ...],
                version: int = FORMAT_VERSION):
-    """The MXFP4 weight of ``weight_name`` [out, in]: read as stored when the checkpoint holds
-    its three MXFP4 tensors (written by convert; ``version``: the checkpoint's format version,
-    older packed bytes are converted), else quantized from the dense tensor.
-    Returns (MXFP4Weight, names of the tensors read)."""
+    """The MXFP4 weight of ``weight_name`` (HF shape [out, in], or [E, out, in] for experts):
+    read as stored when the checkpoint holds its three MXFP4 tensors (written by convert;
+    ``version``: the checkpoint's format version, older packed bytes are converted), else
+    quantized from the dense tensor. Returns (MXFP4Weight, names of the tensors read)."""
     names = mxfp4_names.tensor_names(weight_name)
     if any(n in reader for n in names.values()):
-        shapes = mxfp4_names.expected_shapes(out_features, in_features)
+        shapes = mxfp4_names.expected_shapes(shape)
         fields = {f: reader.read(names[f], shapes[f], jnp.uint8) for f in mxfp4_names.FIELDS}
         fields["packed"] = packed_from_version(fields["packed"], version)
         # Cheap consistency check (the kernel scales every block against channel_exp): catches
         # tensors mixed up between layers or written by something else than quantize_mxfp4.
-        if not bool(jnp.all(fields["channel_exp"] == jnp.max(fields["scales"], axis=1))):
+        if not bool(jnp.all(fields["channel_exp"] == jnp.max(fields["scales"], axis=-1))):
             raise CheckpointError(f"{reader.path}: {names['channel_exp']} is not the row maximum of "
                                   f"{names['scales']}; not a valid MXFP4 weight")
         return MXFP4Weight(**fields), list(names.values())
-    dense = reader.read(weight_name, (out_features, in_features))
+    dense = reader.read(weight_name, shape)
     try:
         return quantize_mxfp4(dense, name=weight_name), [weight_name]
     except ValueError as e:  # NaN / inf in the checkpoint
@@ -175,7 +185,7 @@ def load_weights(model: Gemma4ForCausalLM, path: str | os.PathLike) -> Gemma4For
         reader = _Reader(path, files, stack)
         for module_path, linear in quantized_linears(model):
             name = linear_weight_name(module_path, prefix)
-            w, names = read_mxfp4(reader, name, linear.out_features, linear.in_features, version)
+            w, names = read_mxfp4(reader, name, weight_shape(linear), version)
             linear.set_mxfp4(w)
             used.update(names)
             del w

@@ -94,8 +94,8 @@ class Gemma4DecoderLayer(nnx.Module):
         if self.has_moe:
             self.router = Gemma4Router(cfg.hidden_size, cfg.num_experts, cfg.top_k_experts,
                                        eps=cfg.rms_norm_eps, **common)
-            self.experts = Gemma4Experts(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
-                                         dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            self.experts = Gemma4Experts(cfg.hidden_size, cfg.num_experts,
+                                         cfg.moe_intermediate_size, **common)
             self.pre_feedforward_layernorm_2 = norm()
             self.post_feedforward_layernorm_1 = norm()
             self.post_feedforward_layernorm_2 = norm()
@@ -131,6 +131,22 @@ class Gemma4DecoderLayer(nnx.Module):
                 and post.with_scale and pre.with_scale and post.eps == pre.eps
                 and self.mlp.takes_quantized_input())
 
+    def moe(self, h):
+        """The routed experts' output for the residual stream h [..., H]. Where the experts
+        take quantized rows, pre_feedforward_layernorm_2 and their quantizer run as one op
+        (add_rms_norm_quantize without a branch; as fuses_input_norm, for a bf16 h)."""
+        flat = h.reshape(-1, h.shape[-1])
+        weights, idx = self.router(flat)
+        norm = self.pre_feedforward_layernorm_2
+        if (jnp.dtype(h.dtype) == jnp.dtype(jnp.bfloat16) and norm.with_scale
+                and self.experts.takes_quantized_input()):
+            ops = quantized_ops(self.experts.gate_up_proj.backend)
+            x = nn.QuantizedRows(*ops.add_rms_norm_quantize(flat, norm_weight=norm.weight[...],
+                                                            eps=norm.eps))
+        else:
+            x = norm(flat)
+        return self.experts(x, weights, idx).reshape(h.shape)
+
     def __call__(self, h, ple_i, cos, sin, **attn_kwargs):
         if self.fuses_input_norm(h.dtype):
             ops, norm = quantized_ops(self.self_attn.q_proj.backend), self.input_layernorm
@@ -148,10 +164,8 @@ class Gemma4DecoderLayer(nnx.Module):
             h = h + self.post_attention_layernorm(a)
             f = self.mlp(self.pre_feedforward_layernorm(h))
         if self.has_moe:
-            flat = h.reshape(-1, h.shape[-1])
-            weights, idx = self.router(flat)
-            e = self.experts(self.pre_feedforward_layernorm_2(flat), weights, idx).reshape(h.shape)
-            f = self.post_feedforward_layernorm_1(f) + self.post_feedforward_layernorm_2(e)
+            f = self.post_feedforward_layernorm_1(f) + self.post_feedforward_layernorm_2(
+                self.moe(h))
         h = h + self.post_feedforward_layernorm(f)
         if self.has_ple:
             g = gelu_tanh(self.per_layer_input_gate(h)) * ple_i

@@ -3,20 +3,23 @@ defines it (the loader reads it, ``python -m jax_mila convert`` writes it).
 
 A linear weight ``<name>.weight`` (PyTorch [out, in], bf16) becomes three uint8 tensors
 
-    <name>.weight_mxfp4_packed       [out, in / 2]   e2m1 codes, kernel order
-    <name>.weight_mxfp4_scales       [out, in / 32]  e8m0 block exponents
+    <name>.weight_mxfp4_packed       [out, Kp / 2]   e2m1 codes, kernel order
+    <name>.weight_mxfp4_scales       [out, Kp / 32]  e8m0 block exponents
     <name>.weight_mxfp4_channel_exp  [out]           per-channel reference exponent
 
-i.e. the fields of jax_mila.quant.MXFP4Weight with N = out, K = in (the layout is documented
-in jax_mila/quant/mxfp4.py; [out, in] is already MXFP4's [N, K], so nothing is transposed).
+i.e. the fields of jax_mila.quant.MXFP4Weight with N = out, K = in, stored over Kp =
+padded_k(in) (the layout is documented in jax_mila/quant/mxfp4.py; [out, in] is already MXFP4's
+[N, K], so nothing is transposed). The experts' 3-D tensors (``<name>`` =
+``...experts.gate_up_proj`` [E, 2I, H], ``...experts.down_proj`` [E, H, I]) become
+``<name>_mxfp4_packed`` [E, out, Kp / 2] and so on, with the expert dimension leading.
 Every other tensor keeps its name, shape and dtype. config.json gains a top-level
 
     "jax_mila_quantization": {"format": "mxfp4", "version": 2}
 
 so a loader can tell before reading any tensor that the checkpoint is quantized. The version
 is that of the packed bytes (jax_mila.quant.mxfp4.FORMAT_VERSION); version 1 checkpoints
-(each code's sign in its own nibble, written before 2026-12-01) are still read, their packed
-bytes converted while loading (jax_mila.quant.packed_from_version).
+(each code's sign in its own nibble) are still read, their packed bytes converted while
+loading (jax_mila.quant.packed_from_version).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 
-from jax_mila.quant.mxfp4 import FORMAT_VERSION
+from jax_mila.quant.mxfp4 import BLOCK, FORMAT_VERSION, padded_k
 
 FIELDS = ("packed", "scales", "channel_exp")  # MXFP4Weight's fields
 SUFFIX = ".weight"
@@ -34,17 +37,18 @@ READ_VERSIONS = (1, FORMAT_VERSION)  # versions checkpoint_format accepts
 
 
 def tensor_names(weight_name: str) -> dict[str, str]:
-    """``model.layers.0.mlp.up_proj.weight`` -> {field: checkpoint tensor name}."""
-    if not weight_name.endswith(SUFFIX):
-        raise ValueError(f"{weight_name!r} is not a '*{SUFFIX}' tensor name")
+    """``model.layers.0.mlp.up_proj.weight`` (or an expert tensor's name,
+    ``model.layers.0.experts.down_proj``) -> {field: checkpoint tensor name}."""
     return {f: f"{weight_name}_mxfp4_{f}" for f in FIELDS}
 
 
-def expected_shapes(out_features: int, in_features: int) -> dict[str, tuple[int, ...]]:
-    """Shapes of the three tensors of an [out, in] weight."""
-    return {"packed": (out_features, in_features // 2),
-            "scales": (out_features, in_features // 32),
-            "channel_exp": (out_features,)}
+def expected_shapes(shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """Shapes of the three tensors of a [..., out, in] weight."""
+    *lead, out_features, in_features = shape
+    kp = padded_k(in_features)
+    return {"packed": (*lead, out_features, kp // 2),
+            "scales": (*lead, out_features, kp // BLOCK),
+            "channel_exp": (*lead, out_features)}
 
 
 def checkpoint_format(path: str | os.PathLike) -> dict | None:

@@ -21,6 +21,7 @@ to the model dtype.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import jax
@@ -29,7 +30,7 @@ from flax import nnx
 
 from jax_mila import nn
 from jax_mila.gemma4.config import Gemma4Config
-from jax_mila.gemma4.loader import quantized_linears
+from jax_mila.gemma4.loader import quantized_linears, weight_shape
 from jax_mila.gemma4.model import Gemma4ForCausalLM
 from jax_mila.quant.mxfp4 import MXFP4Weight, quantize_mxfp4
 
@@ -126,8 +127,10 @@ def random_model(config, *, dtype=jnp.bfloat16, backend: str = "auto", quantize=
     key = jax.random.key(seed)
     count = 0
     for _, linear in quantized_linears(model):
-        linear.set_mxfp4(_mxfp4(jax.random.fold_in(key, count), linear.out_features,
-                                linear.in_features, sharding))
+        *lead, out_features, in_features = weight_shape(linear)  # experts: [E, out, in]
+        w = _mxfp4(jax.random.fold_in(key, count), math.prod(lead) * out_features, in_features,
+                   sharding)
+        linear.set_mxfp4(jax.tree.map(lambda a: a.reshape(*lead, out_features, *a.shape[1:]), w))
         count += 1
     for path, node in nnx.iter_graph(model):
         if not isinstance(node, nnx.Module):
@@ -139,7 +142,7 @@ def random_model(config, *, dtype=jnp.bfloat16, backend: str = "auto", quantize=
             if isinstance(node, nn.Embed):
                 value = _normal(jax.random.fold_in(key, count), shape, 1.0, embed_dtype,
                                 sharding)
-            elif len(shape) >= 2:  # dense linears (shapes W4A8 cannot take), MoE experts
+            elif len(shape) >= 2:  # dense linears and experts: Flax [(E,) in, out]
                 value = _normal(jax.random.fold_in(key, count), shape, shape[-2] ** -0.5,
                                 jnp.dtype(param_dtype), sharding)
             else:  # norm weights, router scales, layer scalars: the constructors' ones

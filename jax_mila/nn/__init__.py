@@ -8,6 +8,7 @@ MXFP4 weights held in ``MXFP4Param`` variables) never touches model code.
 from jax_mila.nn.attention import Attention
 from jax_mila.nn.backend import BACKENDS, check_backend
 from jax_mila.nn.embed import Embed
+from jax_mila.nn.grouped import GroupedLinear
 from jax_mila.nn.linear import (
     QUANTIZE_MODES,
     Linear,
@@ -19,6 +20,6 @@ from jax_mila.nn.linear import (
 )
 from jax_mila.nn.norm import RMSNorm, rms_norm
 
-__all__ = ["Attention", "BACKENDS", "Embed", "Linear", "MXFP4Param", "QUANTIZE_MODES",
+__all__ = ["Attention", "BACKENDS", "Embed", "GroupedLinear", "Linear", "MXFP4Param", "QUANTIZE_MODES",
            "QuantizedRows", "RMSNorm", "check_backend", "check_quantize", "project", "rms_norm",
            "shares_quantized_input"]

@@ -8,9 +8,10 @@ and the model never changes with it:
   value) in three uint8 :class:`MXFP4Param` variables ``packed`` [out, in/2], ``scales``
   [out, in/32] and ``channel_exp`` [out] -- [N=out, K=in], the orientation the format and the
   kernel use, i.e. the transpose of the dense kernel (and exactly a PyTorch/HF [out, in]
-  weight). The forward pass quantizes the activations per row to FP8 e4m3
+  weight), stored over in = padded_k(in_features) (a multiple of 128, zeros past
+  in_features). The forward pass quantizes the activations per row to FP8 e4m3
   (quantize_activations) and runs w4a8_matmul (FP8 x MXFP4 on tensor cores, float32
-  accumulation). Shapes the kernels cannot take (in_features % 128 or out_features % 8
+  accumulation). Shapes the kernels cannot take (in_features % 32 or out_features % 8
   nonzero) stay dense, with one log line per shape on the "jax_mila" logger; the W4A8 ops
   themselves log (once per reason) when they run on the reference (no GPU, kernel not built,
   JAX_MILA_DISABLE, GPU below sm_89).
@@ -32,10 +33,10 @@ from jax_mila.ffi._registry import log_fallback
 from jax_mila.nn import noise
 from jax_mila.nn.backend import check_backend
 from jax_mila.parallel.tensor import active_axis as tensor_parallel_axis
-from jax_mila.quant.mxfp4 import MXFP4Weight, quantize_mxfp4
+from jax_mila.quant.mxfp4 import MXFP4Weight, padded_k, quantize_mxfp4
 
 QUANTIZE_MODES = (None, "w4a8")
-W4A8_K_MULTIPLE = ffi.w4a8.K_MULTIPLE  # 128: MXFP4 kernel-order group / the kernel's K tile
+W4A8_K_MULTIPLE = ffi.w4a8.K_MULTIPLE  # 32: whole MXFP4 blocks
 W4A8_N_MULTIPLE = ffi.w4a8.N_MULTIPLE  # 8
 MXFP4_FIELDS = ("packed", "scales", "channel_exp")  # MXFP4Weight's fields, in order
 
@@ -105,11 +106,42 @@ def w4a8_unsupported_reason(in_features: int, out_features: int) -> str | None:
     return None
 
 
-def _log_fallback(in_features: int, out_features: int, reason: str) -> None:
+def _log_fallback(in_features: int, out_features: int, reason: str, what: str = "Linear") -> None:
     # Once per shape (the reason names it), on a GPU as a warning (log_fallback).
-    log_fallback(ffi.w4a8.OP, f"Linear {in_features} -> {out_features} stays dense ({reason}; "
+    log_fallback(ffi.w4a8.OP, f"{what} {in_features} -> {out_features} stays dense ({reason}; "
                               f"the W4A8 kernel needs in % {W4A8_K_MULTIPLE} == 0 and out % "
                               f"{W4A8_N_MULTIPLE} == 0)", instead="a dense weight")
+
+
+def w4a8_quantize_mode(quantize, in_features: int, out_features: int, what: str = "Linear"):
+    """``quantize`` as a layer of this shape can hold it: "w4a8" falls back to None (dense,
+    logged once per shape) where the W4A8 kernels cannot take the shape."""
+    check_quantize(quantize)
+    if quantize == "w4a8":
+        reason = w4a8_unsupported_reason(in_features, out_features)
+        if reason is not None:
+            _log_fallback(in_features, out_features, reason, what)
+            return None
+    return quantize
+
+
+def get_mxfp4(module: nnx.Module) -> MXFP4Weight:
+    """The MXFP4 weight a module holds in its MXFP4Param variables."""
+    return MXFP4Weight(*(getattr(module, f)[...] for f in MXFP4_FIELDS))
+
+
+def set_mxfp4(module: nnx.Module, w: MXFP4Weight, shape: tuple[int, ...], what: str) -> None:
+    """Stores ``w`` (stored shape ``shape``) in the module's MXFP4Param variables."""
+    if tuple(w.shape) != tuple(shape):
+        raise ValueError(f"MXFP4 weight of shape {list(w.shape)} does not fit {what} (expected "
+                         f"{list(shape)})")
+    w.validate("w", rank=len(shape))
+    for field in MXFP4_FIELDS:
+        value = getattr(w, field)
+        if hasattr(module, field):
+            getattr(module, field).set_value(value)
+        else:
+            setattr(module, field, MXFP4Param(value))
 
 
 class Linear(nnx.Module):
@@ -129,12 +161,7 @@ class Linear(nnx.Module):
                  dtype=jnp.float32, param_dtype=jnp.float32, quantize=None,
                  rngs: nnx.Rngs | None = None):
         check_backend(backend)
-        check_quantize(quantize)
-        if quantize == "w4a8":
-            reason = w4a8_unsupported_reason(in_features, out_features)
-            if reason is not None:
-                _log_fallback(in_features, out_features, reason)
-                quantize = None
+        quantize = w4a8_quantize_mode(quantize, in_features, out_features)
         self.in_features, self.out_features = in_features, out_features
         self.backend, self.dtype, self.quantize = backend, dtype, quantize
         rngs = rngs if rngs is not None else nnx.Rngs(0)
@@ -152,24 +179,15 @@ class Linear(nnx.Module):
 
     @property
     def mxfp4(self) -> MXFP4Weight:
-        """The quantized weight [out_features, in_features] (W4A8 layers only)."""
+        """The quantized weight [out_features, padded_k(in_features)] (W4A8 layers only)."""
         if self.quantize != "w4a8":
             raise AttributeError(f"Linear {self.in_features} -> {self.out_features} is dense")
-        return MXFP4Weight(*(getattr(self, f)[...] for f in MXFP4_FIELDS))
+        return get_mxfp4(self)
 
     def set_mxfp4(self, w: MXFP4Weight) -> None:
-        """Replaces the quantized weight (shape [out_features, in_features])."""
-        if tuple(w.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"MXFP4 weight of shape {list(w.shape)} does not fit Linear "
-                             f"{self.in_features} -> {self.out_features} (expected "
-                             f"[{self.out_features}, {self.in_features}])")
-        w.validate("w")
-        for field in MXFP4_FIELDS:
-            value = getattr(w, field)
-            if hasattr(self, field):
-                getattr(self, field).set_value(value)
-            else:
-                setattr(self, field, MXFP4Param(value))
+        """Replaces the quantized weight (stored shape [out_features, padded_k(in_features)])."""
+        set_mxfp4(self, w, (self.out_features, padded_k(self.in_features)),
+                  f"Linear {self.in_features} -> {self.out_features}")
 
     @classmethod
     def quantize_from(cls, kernel, *, backend: str = "auto", dtype=jnp.float32,
@@ -229,10 +247,10 @@ class Linear(nnx.Module):
                              "matmul_quantized needs a quantize='w4a8' layer; this one is dense "
                              "(call it on its unquantized input instead)")
         w = self.mxfp4
-        if q.shape[-1] != w.shape[1] or tuple(scale.shape) != tuple(q.shape[:-1]):
+        if q.shape[-1] != self.in_features or tuple(scale.shape) != tuple(q.shape[:-1]):
             raise ValueError(f"Linear {self.in_features} -> {self.out_features}: matmul_quantized "
                              f"got q{list(q.shape)} and scale{list(scale.shape)}; expected q "
-                             f"[..., {w.shape[1]}] and scale of q's leading shape")
+                             f"[..., {self.in_features}] and scale of q's leading shape")
         out_dtype = self.dtype if jnp.dtype(self.dtype) == jnp.dtype(jnp.bfloat16) else jnp.float32
         y = quantized_ops(self.backend).w4a8_matmul(q.reshape(-1, q.shape[-1]), scale.reshape(-1),
                                                     w, out_dtype=out_dtype)

@@ -13,6 +13,7 @@ from jax_mila.quant.mxfp4 import (
     check_kernel_invariant,
     dequantize_mxfp4,
     packed_from_version,
+    padded_k,
     quantize_mxfp4,
     unpack_codes,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "check_kernel_invariant",
     "dequantize_mxfp4",
     "packed_from_version",
+    "padded_k",
     "quantize_mxfp4",
     "unpack_codes",
 ]

@@ -1,8 +1,11 @@
 """MXFP4 weights: e2m1 values, one e8m0 exponent per 32 values of K, per output channel.
 
-One layout, used by the CUDA kernel (jax_mila.ffi.w4a8_matmul), the pure-JAX reference and
-checkpoints. A weight ``w`` of shape [N, K] (N output channels, K input features, K % 128 == 0)
-is stored as an :class:`MXFP4Weight` with three uint8 arrays:
+One layout, used by the CUDA kernels (jax_mila.ffi.w4a8_matmul, grouped_w4a8_matmul), the
+pure-JAX reference and checkpoints. A weight ``w`` of shape [N, K] (N output channels, K input
+features, K % 32 == 0) is stored as an :class:`MXFP4Weight` with three uint8 arrays over its
+*stored* K, Kp = K rounded up to a multiple of 128 (``padded_k``; the columns past K are zeros,
+which the GEMMs may read: activations of K columns multiply the first K). Expert weights
+[E, N, K] are the same arrays with a leading expert dimension.
 
 ``scales[n, b]`` (uint8 [N, K/32])
     e8m0 exponent of block b = values k in [32b, 32b + 32) of channel n: the block's scale is
@@ -51,7 +54,8 @@ affected at all (tests/test_quant_mxfp4.py measures it). Weights that break the 
 (hand-made ones) are flushed to zero in those blocks by the reference and give unspecified
 values on the kernel; :func:`check_kernel_invariant` tests a concrete weight.
 
-K must be a multiple of 128 for the kernel order (GROUP); quantize_mxfp4 refuses other K.
+K must be a multiple of 32 (BLOCK); it is stored padded with zeros to a multiple of 128
+(GROUP), the kernel order's groups.
 
 Memory: 4 bits per value + 8 bits per 32 values = 4.25 bits per value (+ 8 bits per channel).
 """
@@ -94,36 +98,43 @@ class MXFP4Weight:
     """An MXFP4-quantized [N, K] weight (layout in the module docstring). A pytree of three
     uint8 arrays, so it can be a jit argument, live in Flax NNX modules and be donated."""
 
-    packed: jax.Array  # uint8 [N, K // 2], codes in kernel order
-    scales: jax.Array  # uint8 [N, K // 32], e8m0 block exponents
-    channel_exp: jax.Array  # uint8 [N], max over blocks of scales
+    packed: jax.Array  # uint8 [..., N, Kp // 2], codes in kernel order
+    scales: jax.Array  # uint8 [..., N, Kp // 32], e8m0 block exponents
+    channel_exp: jax.Array  # uint8 [..., N], max over blocks of scales
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """(N, K) of the weight it represents."""
-        return (self.packed.shape[0], self.packed.shape[1] * 2)
+    def shape(self) -> tuple[int, ...]:
+        """(..., N, Kp): the stored shape (Kp = padded_k(K) of the weight it represents)."""
+        return tuple(self.packed.shape[:-1]) + (self.packed.shape[-1] * 2,)
 
     @property
     def nbytes(self) -> int:
         return sum(int(np.prod(a.shape)) for a in (self.packed, self.scales, self.channel_exp))
 
-    def validate(self, name: str = "w") -> None:
-        """Checks dtypes and shapes (not values); raises ValueError naming `name`."""
+    def validate(self, name: str = "w", *, rank: int | None = None) -> None:
+        """Checks dtypes and shapes (not values); raises ValueError naming `name`. ``rank``:
+        the rank of the weight it must represent (2: [N, K]; 3: experts [E, N, K])."""
         n2 = self.packed.shape
         for field, arr in (("packed", self.packed), ("scales", self.scales),
                            ("channel_exp", self.channel_exp)):
             if np.dtype(arr.dtype) != np.uint8:
                 raise ValueError(f"{name}.{field}: dtype {np.dtype(arr.dtype).name} must be uint8")
-        if len(n2) != 2 or (n2[1] * 2) % GROUP:
-            raise ValueError(f"{name}.packed: expected [N, K/2] with K % {GROUP} == 0, "
+        if len(n2) < 2 or (n2[-1] * 2) % GROUP or (rank is not None and len(n2) != rank):
+            want = "[N, Kp/2]" if rank in (None, 2) else f"rank {rank} [..., N, Kp/2]"
+            raise ValueError(f"{name}.packed: expected {want} with Kp % {GROUP} == 0, "
                              f"got shape {list(n2)}")
-        n, k = n2[0], n2[1] * 2
-        if tuple(self.scales.shape) != (n, k // BLOCK):
-            raise ValueError(f"{name}.scales: expected shape {[n, k // BLOCK]} for a [{n}, {k}] "
-                             f"weight, got {list(self.scales.shape)}")
-        if tuple(self.channel_exp.shape) != (n,):
-            raise ValueError(f"{name}.channel_exp: expected shape {[n]}, got "
+        *lead, n, k = self.shape
+        if tuple(self.scales.shape) != (*lead, n, k // BLOCK):
+            raise ValueError(f"{name}.scales: expected shape {[*lead, n, k // BLOCK]} for a "
+                             f"{[*lead, n, k]} weight, got {list(self.scales.shape)}")
+        if tuple(self.channel_exp.shape) != (*lead, n):
+            raise ValueError(f"{name}.channel_exp: expected shape {[*lead, n]}, got "
                              f"{list(self.channel_exp.shape)}")
+
+
+def padded_k(k: int) -> int:
+    """The stored K of a weight with K input features: K rounded up to a multiple of GROUP."""
+    return -(-int(k) // GROUP) * GROUP
 
 
 def _round_to_e2m1_codes(v):
@@ -154,10 +165,13 @@ def _block_exponents(w32):
 
 @jax.jit
 def _quantize_core(w):
-    w32 = w.astype(jnp.float32)
+    *lead, n, k = w.shape
+    w32 = w.astype(jnp.float32).reshape(-1, k)
     # Subnormal inputs flush to zero explicitly, so the result does not depend on whether the
     # backend flushes denormals (XLA on CPU and GPU does).
     w32 = jnp.where(jnp.abs(w32) < jnp.float32(2.0**-126), jnp.float32(0.0), w32)
+    nonfinite = jnp.logical_not(jnp.all(jnp.isfinite(w32)))
+    w32 = jnp.pad(w32, ((0, 0), (0, padded_k(k) - k)))  # stored K: zeros past K
     n, k = w32.shape
     exp, ref = _block_exponents(w32)
     v = jnp.ldexp(w32.reshape(n, k // BLOCK, BLOCK), -exp[..., None])
@@ -165,14 +179,16 @@ def _quantize_core(w):
     packed = _pack_words(codes[..., KERNEL_ORDER].reshape(n, k // 8, 8))
     scales = (exp + E8M0_BIAS).astype(jnp.uint8)
     channel_exp = (ref + E8M0_BIAS).astype(jnp.uint8)
-    nonfinite = jnp.logical_not(jnp.all(jnp.isfinite(w32)))
-    return MXFP4Weight(packed, scales, channel_exp), nonfinite
+    rows = (*lead, -1)
+    return MXFP4Weight(packed.reshape(*rows, packed.shape[-1]), scales.reshape(*rows, k // BLOCK),
+                       channel_exp.reshape(rows)), nonfinite
 
 
 def quantize_mxfp4(w, *, name: str = "weight", check_finite: bool = True) -> MXFP4Weight:
-    """Quantizes a bfloat16/float16/float32 weight ``w`` of shape [N, K] (K % 128 == 0, GROUP:
-    the kernel order's groups of 4 blocks of 32; N output channels, K the contraction dim, i.e.
-    the transpose of a Flax [in, out] kernel) to MXFP4.
+    """Quantizes a bfloat16/float16/float32 weight ``w`` of shape [N, K] (K % 32 == 0: whole
+    MXFP4 blocks; N output channels, K the contraction dim, i.e. the transpose of a Flax
+    [in, out] kernel), or a stack of them [..., N, K] (experts), to MXFP4, stored over
+    Kp = padded_k(K) (zeros past K).
 
     NaN or inf in ``w`` raises ValueError naming ``name``. That check reads the values, so it
     needs a concrete array; inside jit pass ``check_finite=False`` (non-finite inputs then give
@@ -182,9 +198,9 @@ def quantize_mxfp4(w, *, name: str = "weight", check_finite: bool = True) -> MXF
                                  np.dtype(jnp.float32)):
         raise ValueError(f"quantize_mxfp4: {name}: dtype {np.dtype(w.dtype).name} is not supported "
                          "(supported: bfloat16, float16, float32)")
-    if len(w.shape) != 2 or w.shape[1] % GROUP or 0 in w.shape:
-        raise ValueError(f"quantize_mxfp4: {name}: expected a non-empty [N, K] weight with "
-                         f"K % {GROUP} == 0, got shape {list(w.shape)}")
+    if len(w.shape) < 2 or w.shape[-1] % BLOCK or 0 in w.shape:
+        raise ValueError(f"quantize_mxfp4: {name}: expected a non-empty [..., N, K] weight with "
+                         f"K % {BLOCK} == 0, got shape {list(w.shape)}")
     if check_finite and isinstance(w, jax.core.Tracer):
         raise ValueError(f"quantize_mxfp4: {name}: the NaN/inf check needs a concrete array; "
                          "call it outside jit or pass check_finite=False")
@@ -216,8 +232,8 @@ def _unpack_words(packed):
 
 
 def packed_from_version(packed, version: int):
-    """Packed bytes [N, K/2] written in format ``version`` (1 or 2) -> format FORMAT_VERSION.
-    Version 1 kept each code's sign in its own nibble (checkpoints written before 2026-12-01)."""
+    """Packed bytes [..., N, Kp/2] written in format ``version`` (1 or 2) -> format
+    FORMAT_VERSION. Version 1 kept each code's sign in its own nibble."""
     if version == FORMAT_VERSION:
         return packed
     if version != 1:
@@ -227,35 +243,39 @@ def packed_from_version(packed, version: int):
 
 
 def unpack_codes(w: MXFP4Weight):
-    """e2m1 codes uint8 [N, K] in natural k order."""
-    n, k = w.shape
-    stored = _unpack_words(w.packed).reshape(n, k // GROUP, GROUP)
-    return stored[..., _INVERSE_ORDER].reshape(n, k)
+    """e2m1 codes uint8 [..., N, Kp] in natural k order."""
+    *lead, n, k = w.shape
+    stored = _unpack_words(w.packed).reshape(*lead, n, k // GROUP, GROUP)
+    return stored[..., _INVERSE_ORDER].reshape(*lead, n, k)
 
 
-def dequantize_mxfp4(w: MXFP4Weight, dtype=jnp.float32, *, kernel_semantics: bool = False):
-    """[N, K] values code * 2**(scale - 127) in ``dtype`` (exact in float32).
+def dequantize_mxfp4(w: MXFP4Weight, dtype=jnp.float32, *, k: int | None = None,
+                     kernel_semantics: bool = False):
+    """[..., N, K] values code * 2**(scale - 127) in ``dtype`` (exact in float32): the first
+    ``k`` columns (default: all Kp stored ones).
 
     With ``kernel_semantics=True``, blocks whose exponent is more than MAX_BLOCK_EXP_DROP below
     the channel's (never produced by quantize_mxfp4) read as zero, as the reference GEMM defines.
     """
-    n, k = w.shape
-    vals = jnp.asarray(E2M1_VALUES)[unpack_codes(w).astype(jnp.int32)].reshape(n, k // BLOCK, BLOCK)
+    *lead, n, kp = w.shape
+    vals = jnp.asarray(E2M1_VALUES)[unpack_codes(w).astype(jnp.int32)]
+    vals = vals.reshape(*lead, n, kp // BLOCK, BLOCK)
     exp = w.scales.astype(jnp.int32) - E8M0_BIAS
     if kernel_semantics:
-        floor = w.channel_exp.astype(jnp.int32)[:, None] - MAX_BLOCK_EXP_DROP
+        floor = w.channel_exp.astype(jnp.int32)[..., None] - MAX_BLOCK_EXP_DROP
         keep = w.scales.astype(jnp.int32) >= floor
         vals = jnp.where(keep[..., None], vals, 0.0)
-    return jnp.ldexp(vals, exp[..., None]).reshape(n, k).astype(dtype)
+    out = jnp.ldexp(vals, exp[..., None]).reshape(*lead, n, kp).astype(dtype)
+    return out if k is None else out[..., :k]
 
 
 def check_kernel_invariant(w: MXFP4Weight) -> bool:
     """True when every nonzero block of a concrete weight is within MAX_BLOCK_EXP_DROP
     exponents of its channel's reference exponent and channel_exp is the max block exponent."""
-    n, k = w.shape
-    codes = np.asarray(unpack_codes(w)).reshape(n, k // BLOCK, BLOCK)
+    *lead, n, k = w.shape
+    codes = np.asarray(unpack_codes(w)).reshape(-1, k // BLOCK, BLOCK)
     nonzero = np.any((codes & 7) != 0, axis=-1)
-    s = np.asarray(w.scales).astype(np.int32)
-    r = np.asarray(w.channel_exp).astype(np.int32)
+    s = np.asarray(w.scales).astype(np.int32).reshape(-1, k // BLOCK)
+    r = np.asarray(w.channel_exp).astype(np.int32).reshape(-1)
     return bool(np.all(r == s.max(axis=1)) and
                 np.all(~nonzero | (s >= r[:, None] - MAX_BLOCK_EXP_DROP)))
