@@ -104,8 +104,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string_view>
 
 #include "common/attention_params.h"
 #include "common/ptx.cuh"
@@ -141,10 +139,6 @@ static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory per block is
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168, "register split");
-// Consumer main loops (JAX_MILA_FLASH256_SM90_LOOP picks one per process; see the header).
-constexpr int kSerial = 0;    // S, softmax, P V one after the other
-constexpr int kOverlap = 1;   // softmax of tile i during P_{i-1} V_{i-1}
-constexpr int kPingPong = 2;  // kOverlap, and the consumers take turns issuing their wgmmas
 // Named barriers kBarTurn0 + c: consumer c's turn (ping-pong; 0 is __syncthreads).
 [[maybe_unused]] constexpr int kBarTurn0 = 1;
 [[maybe_unused]] constexpr float kLog2e = 1.4426950408889634f;
@@ -184,7 +178,6 @@ struct WorkItem {
   return {(num_m_blocks - 1 - (w - hb * num_m_blocks)) * kBlockM, hb % p.hkv, hb / p.hkv};
 }
 
-template <int kLoop>
 __global__ void __launch_bounds__(kThreads, 1)
     Flash256Sm90Kernel(const __grid_constant__ CUtensorMap tm_q,
                        const __grid_constant__ CUtensorMap tm_k,
@@ -373,10 +366,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Ping-pong turns (kPingPong only; see "Ping-pong"): consumer c issues the wgmmas of its
   // event e after consumer 1 - c issued those of its event e - 1 (c = 0) or e (c = 1).
   auto turn_begin = [&] {
-    if constexpr (kLoop == kPingPong) px::named_barrier_sync(kBarTurn0 + c, 256);
+    px::named_barrier_sync(kBarTurn0 + c, 256);
   };
   auto turn_end = [&] {
-    if constexpr (kLoop == kPingPong) hx::named_barrier_arrive(kBarTurn0 + 1 - c, 256);
+    hx::named_barrier_arrive(kBarTurn0 + 1 - c, 256);
   };
   // Ring slot of the CTA's key tile number r (over all its items): stage and phase parity.
   auto stage = [](uint32_t r) { return static_cast<int>(r & 1); };
@@ -392,9 +385,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     turn_end();
   };
 
-  if constexpr (kLoop == kPingPong) {
-    if (c == 1) hx::named_barrier_arrive(kBarTurn0, 256);  // consumer 0 takes the first turn
-  }
+  if (c == 1) hx::named_barrier_arrive(kBarTurn0, 256);  // consumer 0 takes the first turn
   uint32_t ring = 0;  // the CTA's key tiles before this item (as the producer counts them)
   uint32_t j = 0;     // the CTA's items before this one
   for (int w = blockIdx.x; w < num_items; w += gridDim.x, ++j) {
@@ -450,33 +441,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (n_tiles > 0) {
       for (int i = 0; i < i_lo; ++i) skip_tile(ring + i);
 
-      if constexpr (kLoop == kSerial) {
-        for (int i = i_lo; i < i_hi; ++i) {
-          const uint32_t r = ring + i;
-          hx::mbar_wait(bar_k_full(stage(r)), parity(r));
-          fence_s();  // the previous tile's softmax wrote s: keep it before the fence
-          hx::wgmma_fence();
-          issue_s(stage(r));
-          hx::wgmma_commit();
-          hx::wgmma_wait<0>();
-          fence_s();
-          release(bar_k_empty(stage(r)));
-          float alpha[2];
-          softmax(tile_lo + i, alpha);
-          convert_p();
-          rescale_o(alpha);
-          hx::mbar_wait(bar_v_full(stage(r)), parity(r));
-          // Pin the rescaled O and the P fragments before the fence that orders these
-          // register writes ahead of the wgmmas (the compiler may not sink them past it).
-          fence_o_pa();
-          hx::wgmma_fence();
-          issue_pv(stage(r));
-          hx::wgmma_commit();
-          hx::wgmma_wait<0>();
-          fence_o_pa();
-          release(bar_v_empty(stage(r)));
-        }
-      } else if (has_tiles) {
+      if (has_tiles) {
         // First tile of the range: S and softmax alone (O is still zero: no rescale).
         {
           const uint32_t r = ring + i_lo;
@@ -579,9 +544,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   // Consumer 1's last turn_end (after the epilogue: the stores need not wait for it).
-  if constexpr (kLoop == kPingPong) {
-    if (c == 0) px::named_barrier_sync(kBarTurn0, 256);
-  }
+  if (c == 0) px::named_barrier_sync(kBarTurn0, 256);
 #else
   __trap();  // built for sm_90a only; the launcher checks the device
 #endif
@@ -593,33 +556,10 @@ bool EncodeMap(tma::EncodeTiledFn encode, CUtensorMap* map, const void* ptr, uin
   return tma::EncodeBf16Swizzled(encode, map, ptr, kD, d1, d2, d3, box1, box2);
 }
 
-// Developer knobs, read once per process:
-//   JAX_MILA_FLASH256_SM90_LOOP = serial | overlap | pingpong (default): the consumer main loop.
-//   JAX_MILA_FLASH256_SM90_PERSISTENT = 0: one CTA per work item (the same kernel, a grid of
-//     num_items CTAs, so each runs its loop once) instead of one CTA per SM.
-int LoopMode() {
-  static const int v = [] {
-    const char* env = std::getenv("JAX_MILA_FLASH256_SM90_LOOP");
-    if (env == nullptr) return kPingPong;
-    const std::string_view mode(env);
-    return mode == "serial" ? kSerial : mode == "overlap" ? kOverlap : kPingPong;
-  }();
-  return v;
-}
-
-bool Persistent() {
-  static const bool v = [] {
-    const char* env = std::getenv("JAX_MILA_FLASH256_SM90_PERSISTENT");
-    return env == nullptr || std::string_view(env) != "0";
-  }();
-  return v;
-}
-
-template <int kLoop>
 cudaError_t LaunchKernel(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
                          const AttentionParams& p, int num_m_blocks, int num_items,
                          int grid, cudaStream_t stream) {
-  auto* kernel = Flash256Sm90Kernel<kLoop>;
+  auto* kernel = Flash256Sm90Kernel;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
@@ -668,15 +608,8 @@ cudaError_t LaunchFlashAttentionD256Sm90(const AttentionParams& p, cudaStream_t 
   if (items64 > INT32_MAX / 2) return cudaErrorInvalidValue;
   const int m_blocks = static_cast<int>(num_m_blocks), num_items = static_cast<int>(items64);
   // One CTA per SM (its 193 KB of shared memory allow no second), or one per item.
-  const int grid = Persistent() ? std::min(num_items, std::max(sms, 1)) : num_items;
-  switch (LoopMode()) {
-    case kSerial:
-      return LaunchKernel<kSerial>(tm_q, tm_k, tm_v, p, m_blocks, num_items, grid, stream);
-    case kOverlap:
-      return LaunchKernel<kOverlap>(tm_q, tm_k, tm_v, p, m_blocks, num_items, grid, stream);
-    default:
-      return LaunchKernel<kPingPong>(tm_q, tm_k, tm_v, p, m_blocks, num_items, grid, stream);
-  }
+  const int grid = std::min(num_items, std::max(sms, 1));
+  return LaunchKernel(tm_q, tm_k, tm_v, p, m_blocks, num_items, grid, stream);
 }
 
 }  // namespace mila

@@ -125,8 +125,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 #include <type_traits>
 
 #include "common/attention_params.h"
@@ -151,31 +149,24 @@ using namespace ::mila::flash512_sm90;  // geometry (flash512_sm90_common.h)
 constexpr int kOffQ = 0;
 constexpr int kOffK = kOffQ + kTileBytes;
 constexpr int kOffV = kOffK + kTileBytes;
-constexpr int kOffRed = kOffV + kTileBytes;              // float4 [2][8][128]
-// The split softmax's exchange buffers, in and after the red region (one scheme per launch):
-// per consumer c, S partials of the other's key half (float4 [4][128]) and P fragments of its
-// own key half (uint4 [2][128]) in the red region; row maxima (float [64]) and, at the end, row
-// sums (float [64]) after it.
-constexpr int kOffXs = kOffRed;                          // float4 [2][4][128]
+// The softmax's exchange buffers: per consumer c, S partials of the other's key half (float4
+// [4][128]) and P fragments of its own key half (uint4 [2][128]); row maxima (float [64]) and,
+// at the end, row sums (float [64]).
+constexpr int kOffXs = kOffV + kTileBytes;               // float4 [2][4][128]
 constexpr int kOffXp = kOffXs + 2 * 4 * 128 * 16;        // uint4 [2][2][128]
-constexpr int kOffXm = kOffRed + 2 * 8 * 128 * 16;       // float [2][64]
+constexpr int kOffXm = kOffXs + 2 * 8 * 128 * 16;        // float [2][64]
 constexpr int kOffXl = kOffXm + 2 * 64 * 4;              // float [2][64]
 constexpr int kOffBar = kOffXl + 2 * 64 * 4;             // 5 x uint64
 static_assert(kOffXp + 2 * 2 * 128 * 16 <= kOffXm, "exchange layout");
 constexpr int kSmemBytes = kOffBar + 5 * 8 + 1024;       // + slack to align the base
 static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory per block is 227 KB");
-// setmaxnreg targets per variant (ptxas allocates each role's code within its target): the
-// sum 128 x producer + 256 x consumer must stay 64,512 = 384 x 168 (the launch allocation).
-// kCluster 1: 24 / 240 (the consumers spill at 232); kCluster 2: 40 / 232 (its multicast
-// producer loop spills at 24).
-template <int kCluster>
-constexpr int kProducerRegs = kCluster == 1 ? 24 : 40;
-template <int kCluster>
-constexpr int kConsumerRegs = kCluster == 1 ? 240 : 232;
+// setmaxnreg targets: 128 x producer + 256 x consumer must stay 64,512 = 384 x 168 (the launch
+// allocation); the consumers spill at 232.
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
 
 using sf::NegInf;
 
-template <int kCluster, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1)
     Flash512Sm90Kernel(const __grid_constant__ CUtensorMap tm_q,
                        const __grid_constant__ CUtensorMap tm_k,
@@ -195,57 +186,29 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int G = p.hq / p.hkv;
   const int rows_total = p.t * G;  // fits int32: the FFI handler checks it
   const int q_off = *p.q_offset;
-  // This CTA's M tile, and the first packed row of the span whose keys it loads: its own tile
-  // (kCluster 1), or the cluster's pair of adjacent tiles 2 pair, 2 pair + 1 (kCluster 2:
-  // both CTAs load the union of their key ranges, each half of every K/V tile, multicast).
-  // Longest first: blockIdx.x counts from the last M tile (pair) down.
-  uint32_t rank = 0;
-  int m_block, span_m0;
-  if constexpr (kCluster == 1) {
-    m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x);
-    span_m0 = m_block * kBlockM;
-  } else {
-    rank = hx::cluster_ctarank();
-    const int pair = static_cast<int>(gridDim.x / 2 - 1 - blockIdx.x / 2);
-    m_block = 2 * pair + static_cast<int>(rank);  // may be num_m_blocks: a CTA with no rows
-    span_m0 = 2 * pair * kBlockM;
-  }
+  const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x);  // longest first
   const int m0 = m_block * kBlockM;
 
-  // Positions of this CTA's rows (for masking) and of the span's (for the loaded key range);
-  // in int64, as in flash512.cu.
-  // (Only kCluster 2's last CTA can start past the last row: min() keeps its positions real.)
+  // Positions of this CTA's rows, in int64 as in flash512.cu.
   const int64_t qpos_min = static_cast<int64_t>(q_off) + min(p.t - 1, m0 / G);
   const int64_t qpos_max = static_cast<int64_t>(q_off) + min(p.t - 1, (m0 + kBlockM - 1) / G);
-  const int64_t span_qpos_min =
-      kCluster == 1 ? qpos_min : static_cast<int64_t>(q_off) + min(p.t - 1, span_m0 / G);
-  const int64_t span_qpos_max =
-      kCluster == 1 ? qpos_max
-                    : static_cast<int64_t>(q_off) +
-                          min(p.t - 1, (span_m0 + kCluster * kBlockM - 1) / G);
-  // The key tiles of the span, segment by segment (common/key_tiles.cuh); every role walks
-  // its own copy of this cursor, so all agree on tile i.
-  const KeyTileCursor<kBlockN> first_tile(p, span_qpos_min, span_qpos_max);
+  // The key tiles they see, segment by segment (common/key_tiles.cuh); every role walks its own
+  // copy of this cursor, so all agree on tile i.
+  const KeyTileCursor<kBlockN> first_tile(p, qpos_min, qpos_max);
 
   if (tid == 0) {
     hx::mbar_init(bar_q, 1);
     hx::mbar_init(bar_k_full, 1);
-    hx::mbar_init(bar_k_empty, 8 * kCluster);  // every consumer warp of the cluster
+    hx::mbar_init(bar_k_empty, 8);  // every consumer warp
     hx::mbar_init(bar_v_full, 1);
-    hx::mbar_init(bar_v_empty, 8 * kCluster);
+    hx::mbar_init(bar_v_empty, 8);
     hx::mbar_init_fence();
   }
-  // The last CTA-wide barrier (the roles split below); with a cluster, also: the other CTA's
-  // barriers are initialised before this CTA multicasts to them or arrives on them.
-  if constexpr (kCluster == 1) {
-    __syncthreads();
-  } else {
-    hx::cluster_sync();
-  }
+  __syncthreads();  // the last CTA-wide barrier (the roles split below)
 
   if (wg == 0) {
     // ---------------- producer ----------------
-    hx::setmaxnreg_dec<kProducerRegs<kCluster>>();
+    hx::setmaxnreg_dec<kProducerRegs>();
     if (tid == 0 && first_tile.valid()) {
       hx::tma_prefetch_desc(&tm_q);
       hx::tma_prefetch_desc(&tm_k);
@@ -255,28 +218,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int cb = 0; cb < 8; ++cb)
         hx::tma_load_4d(sQ + cb * kColBlockBytes, &tm_q, bar_q, cb * 64, h * G, m0 / G, b);
       // One K or V tile: wait until the consumers released the buffer's previous tile, then
-      // refill it. kCluster 1: all 8 column blocks into this CTA. kCluster 2: this CTA loads
-      // column blocks 4 rank .. 4 rank + 3 into both CTAs; each CTA's full barrier expects
-      // the whole tile (its own 4 boxes and the other CTA's 4), and the empty barriers count
-      // both CTAs' consumer warps (the tile is overwritten in both).
+      // refill it.
       auto load_tile = [&](int i, int n0, uint32_t empty, uint32_t full, uint32_t dst,
                            const CUtensorMap* map) {
-        if constexpr (kCluster == 1) {
-          if (i > 0) hx::mbar_wait(empty, (i - 1) & 1);
-          hx::mbar_arrive_expect_tx(full, kTileBytes);
+        if (i > 0) hx::mbar_wait(empty, (i - 1) & 1);
+        hx::mbar_arrive_expect_tx(full, kTileBytes);
 #pragma unroll
-          for (int cb = 0; cb < 8; ++cb)
-            hx::tma_load_4d(dst + cb * kColBlockBytes, map, full, cb * 64, h, n0, b);
-        } else {
-          if (i > 0) hx::mbar_wait(empty, (i - 1) & 1);
-          hx::mbar_arrive_expect_tx(full, kTileBytes);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int cb = 4 * static_cast<int>(rank) + j;
-            hx::tma_load_4d_multicast(dst + cb * kColBlockBytes, map, full, cb * 64, h, n0, b,
-                                      0x3);
-          }
-        }
+        for (int cb = 0; cb < 8; ++cb)
+          hx::tma_load_4d(dst + cb * kColBlockBytes, map, full, cb * 64, h, n0, b);
       };
       int i = 0;
       for (KeyTileCursor<kBlockN> tile = first_tile; tile.valid(); tile.Advance(), ++i) {
@@ -284,13 +233,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         load_tile(i, tile.n0(), bar_v_empty, bar_v_full, sV, &tm_v);
       }
     }
-    // With a cluster, no CTA may exit while the other can still arrive on its barriers.
-    if constexpr (kCluster == 2) hx::cluster_sync();
     return;
   }
 
   // ---------------- consumers ----------------
-  hx::setmaxnreg_inc<kConsumerRegs<kCluster>>();
+  hx::setmaxnreg_inc<kConsumerRegs>();
   const int c = wg - 1;              // output columns [256c, 256c+256), D half c of S
   const int ct = tid - 128 * wg;     // thread in the warpgroup
   const int lane = ct & 31, wq = ct >> 5;
@@ -302,31 +249,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int pr = m0 + 16 * wq + g + 8 * r;
     tq[r] = pr < rows_total ? pr / G : p.t - 1;
   }
-  // Empty-barrier arrivals: this CTA's, and (kCluster 2) the other CTA's as a cluster address.
-  // Both keep the CTA scope, as CUTLASS's cluster pipelines do (see the W4A8 kernel's
-  // kCluster notes): .release.cluster puts a MEMBAR.ALL.GPU before each arrival and
-  // .acquire.cluster an L1 invalidation after each wait.
-  const uint32_t k_empty_peer = kCluster == 1 ? 0u : hx::map_to_cta(bar_k_empty, rank ^ 1u);
-  const uint32_t v_empty_peer = kCluster == 1 ? 0u : hx::map_to_cta(bar_v_empty, rank ^ 1u);
-  auto release = [&](uint32_t own, uint32_t peer) {
+  auto release = [&](uint32_t bar) {
     __syncwarp();  // every lane of this warp is done with the buffer
-    if (lane == 0) {
-      hx::mbar_arrive(own);
-      if constexpr (kCluster == 2) hx::mbar_arrive_remote(peer);
-    }
+    if (lane == 0) hx::mbar_arrive(bar);
   };
-  float4* red_mine = reinterpret_cast<float4*>(smem + kOffRed) + c * (8 * 128);
-  const float4* red_other = reinterpret_cast<const float4*>(smem + kOffRed) + (1 - c) * (8 * 128);
 
   // The consumer's main loop and epilogue, for key half kHalf (= c; a compile-time index into
-  // the accumulator registers, used by the split softmax only).
+  // the accumulator registers).
   auto consume = [&](auto half) {
-    [[maybe_unused]] constexpr int kHalf = decltype(half)::value;
+    constexpr int kHalf = decltype(half)::value;
     float o[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
     float m_run[2] = {NegInf(), NegInf()};
-    float l_run[2] = {0.f, 0.f};  // kSplit: over this consumer's key halves only
+    float l_run[2] = {0.f, 0.f};  // over this consumer's key halves only
     const float scale_log2 = p.scale * kLog2e;
 
     if (first_tile.valid()) {
@@ -395,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // registers nor touch O while the wgmmas run), and V's buffer is released.
       auto pv_retired = [&] {
         fence_pv_operands();
-        release(bar_v_empty, v_empty_peer);
+        release(bar_v_empty);
       };
 
       // Accumulator element e holds row 16wq+g (+8 if bit 1 of e), key n0 + 8(e/4) + 2t4
@@ -424,10 +360,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       // same rows and key columns of the accumulator (and of P's A fragments), so every
       // exchange is a plain copy at index ct.
       // It leaves P's A fragments in pa: its own half from s, the other's from xp.
-      [[maybe_unused]] constexpr int kOther = 1 - kHalf;
-      [[maybe_unused]] float4* xs = reinterpret_cast<float4*>(smem + kOffXs);
-      [[maybe_unused]] uint4* xp = reinterpret_cast<uint4*>(smem + kOffXp);
-      [[maybe_unused]] float* xm = reinterpret_cast<float*>(smem + kOffXm);
+      constexpr int kOther = 1 - kHalf;
+      float4* xs = reinterpret_cast<float4*>(smem + kOffXs);
+      uint4* xp = reinterpret_cast<uint4*>(smem + kOffXp);
+      float* xm = reinterpret_cast<float*>(smem + kOffXm);
       auto pack_p = [&](int kk, uint32_t (&f)[4]) { sf::PackPFragment(s, kk, f); };
       auto split_softmax = [&](int64_t kpos0, int keys_left, float (&alpha)[2]) {
 #pragma unroll
@@ -518,75 +454,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         s_retired();
         float alpha[2];
 
-        if constexpr (!kSplit) {
-          // ---- Exchange the D-half partials: S = S_c + S_{1-c} (same bits in both
-          // consumers). red[c] is rewritten here (tile i >= 1) only after consumer 1-c read it
-          // at tile i-1: it arrived on named barrier 2 + c after that read, this warpgroup
-          // syncs on it now (128 + 128 threads). The mbarrier chain red read -> k_empty ->
-          // producer -> k_full -> this write orders the two as well, but through the producer
-          // thread, which compute-sanitizer racecheck does not follow (it reported the pair);
-          // the barrier costs no wait in practice, the other consumer arrived a whole tile
-          // earlier.
-          if (i > 0) px::named_barrier_sync(2 + c, 256);
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-            red_mine[j * 128 + ct] =
-                make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
-          px::named_barrier_sync(1, 256);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const float4 v = red_other[j * 128 + ct];
-            s[4 * j] += v.x;
-            s[4 * j + 1] += v.y;
-            s[4 * j + 2] += v.z;
-            s[4 * j + 3] += v.w;
-          }
-          // Done reading red[1-c]: its writer may refill it at the next tile (none after the
-          // last, so every phase of barriers 2 and 3 completes: n - 1 arrivals and n - 1 syncs
-          // each).
-          if (tile.valid()) hx::named_barrier_arrive(2 + (1 - c), 256);
-          // This warp is done with K_i (wgmmas retired) and with red[1-c] of tile i.
-          release(bar_k_empty, k_empty_peer);
-
-          // ---- Online softmax on rows 16wq+g (+8), keys n0 + 8j + 2t4 + {0,1}.
-#pragma unroll
-          for (int e = 0; e < 32; ++e) s[e] *= scale_log2;
-          if (need_mask(kpos0, keys_left)) {
-#pragma unroll
-            for (int e = 0; e < 32; ++e) mask(s[e], e, kpos0, keys_left);
-          }
-          // The steps of softmax_fragments.cuh's OnlineSoftmax, written out: calling it here
-          // changes ptxas's input (PTX not identical to the build the GPU tests and sanitizers
-          // passed), so the fold waits for a device run of this path.
-          float mx[2] = {NegInf(), NegInf()};
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
-            mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
-          }
-          float base_r[2], rowsum[2] = {0.f, 0.f};
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            const float m_new = fmaxf(m_run[r], mx[r]);
-            base_r[r] = m_new == NegInf() ? 0.f : m_new;  // all masked so far: exp2(-inf) = 0
-            alpha[r] = px::exp2_approx(m_run[r] - base_r[r]);
-            m_run[r] = m_new;
-          }
-#pragma unroll
-          for (int e = 0; e < 32; ++e) {
-            s[e] = px::exp2_approx(s[e] - base_r[(e >> 1) & 1]);
-            rowsum[(e >> 1) & 1] += s[e];
-          }
-#pragma unroll
-          for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rowsum[r];
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk) pack_p(kk, pa[kk]);
-        } else {
-          release(bar_k_empty, k_empty_peer);  // this warp's S wgmmas retired: done with K_i
-          split_softmax(kpos0, keys_left, alpha);
-        }
+        release(bar_k_empty);  // this warp's S wgmmas retired: done with K_i
+        split_softmax(kpos0, keys_left, alpha);
 
         rescale_o(alpha);
         issue_pv(parity);
@@ -595,14 +464,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
 
-    // ---- Epilogue: row sums over the quad (kSplit: and over both consumers' key halves), lse
+    // ---- Epilogue: row sums over the quad and over both consumers' key halves, lse
     // (consumer 0), O / l in bf16.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
       l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
     }
-    if constexpr (kSplit) {
+    {
       // Both consumers take this path, tiles or not. xl is written once, after the last (C).
       float* xl = reinterpret_cast<float*>(smem + kOffXl);
       const int row = 16 * wq + g;
@@ -616,56 +485,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     StoreOutputRows(p, o, m_run, l_run, m0, 16 * wq + g, c, t4, G, rows_total, h, b);
   };
-  if (kSplit && c == 1) {
+  if (c == 1) {
     consume(std::integral_constant<int, 1>{});
   } else {
     consume(std::integral_constant<int, 0>{});
   }
-  if constexpr (kCluster == 2) hx::cluster_sync();  // see the producer's
 #else
   __trap();  // built for sm_90a only; the launcher checks the device
 #endif
 }
 
-// Developer knob, read once per process: JAX_MILA_FLASH512_SM90_CLUSTER=2 runs the 2-CTA
-// cluster variant (adjacent M tiles share every K/V tile through TMA multicast: half the
-// L2->SM traffic). Default 1: the kernel is bound by its serial chain per tile, which multicast
-// does not reduce, and the pair's lock-step per tile costs more than the L2 traffic saved
-// (457 vs 513 TFLOP/s at S=16K, 460 vs 485 at 32K; docs/performance.md, seventeenth round).
-int ClusterSize() {
-  static const int v = [] {
-    const char* env = std::getenv("JAX_MILA_FLASH512_SM90_CLUSTER");
-    return env != nullptr && std::atoi(env) == 2 ? 2 : 1;
-  }();
-  return v;
-}
-
-// Developer knob, read once per process: JAX_MILA_FLASH512_SM90_SOFTMAX=shared computes the
-// whole tile's softmax in both consumers (the scheme before the split: one exchange of the
-// full partials, every exponential twice). The cluster variant always runs it.
-bool SplitSoftmax() {
-  static const bool v = [] {
-    const char* env = std::getenv("JAX_MILA_FLASH512_SM90_SOFTMAX");
-    return env == nullptr || std::string(env) != "shared";
-  }();
-  return v;
-}
-
-template <int kCluster, bool kSplit>
 cudaError_t LaunchKernel(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
                          const AttentionParams& p, int num_m_blocks, cudaStream_t stream) {
-  auto* kernel = Flash512Sm90Kernel<kCluster, kSplit>;
-  if (const cudaError_t err = PrepareKernel(
-          kernel, kSmemBytes, kThreads, kProducerRegs<kCluster>, kConsumerRegs<kCluster>);
+  auto* kernel = Flash512Sm90Kernel;
+  if (const cudaError_t err =
+          PrepareKernel(kernel, kSmemBytes, kThreads, kProducerRegs, kConsumerRegs);
       err != cudaSuccess) {
     return err;
   }
-  // kCluster 2: one cluster per pair of M tiles (an odd count leaves a CTA without rows).
-  const int grid_x = kCluster == 1 ? num_m_blocks : 2 * ((num_m_blocks + 1) / 2);
   const ClusterLaunchConfig launch(
-      dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(p.hkv),
+      dim3(static_cast<unsigned>(num_m_blocks), static_cast<unsigned>(p.hkv),
            static_cast<unsigned>(p.batch)),
-      dim3(kThreads), kSmemBytes, stream, kCluster);
+      dim3(kThreads), kSmemBytes, stream, 1);
   return cudaLaunchKernelEx(&launch.cfg, kernel, tm_q, tm_k, tm_v, p, num_m_blocks);
 }
 
@@ -674,11 +515,7 @@ cudaError_t LaunchKernel(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const
 cudaError_t LaunchFlashAttentionD512Sm90(const AttentionParams& p, cudaStream_t stream) {
   LaunchSetup l;
   if (const cudaError_t err = PrepareLaunch(p, &l); err != cudaSuccess) return err;
-  if (ClusterSize() == 2) {
-    return LaunchKernel<2, false>(l.tm_q, l.tm_k, l.tm_v, p, l.num_m_blocks, stream);
-  }
-  return SplitSoftmax() ? LaunchKernel<1, true>(l.tm_q, l.tm_k, l.tm_v, p, l.num_m_blocks, stream)
-                        : LaunchKernel<1, false>(l.tm_q, l.tm_k, l.tm_v, p, l.num_m_blocks, stream);
+  return LaunchKernel(l.tm_q, l.tm_k, l.tm_v, p, l.num_m_blocks, stream);
 }
 
 }  // namespace mila
