@@ -1,69 +1,46 @@
-// FlashAttention prefill for head dim 512 (Gemma 4 global layers), the portable
-// mma.sync path (sm_80 / sm_89 / sm_90a; a Hopper wgmma version is a later issue).
+// FlashAttention prefill for head dim 512 (Gemma 4 global layers), the portable mma.sync path
+// (sm_80 / sm_89 / sm_90a) and the oracle of the Hopper kernels (flash512_sm90/).
 //
-// Geometry. At D=512 a row-split (FA-2) kernel would hold a 16x512 fp32 output
-// tile per warp (256 registers a thread for O alone), so the head dimension is split
-// across warps instead. One block of 8 warps (256 threads) owns an M tile of 64
-// packed rows and sweeps the keys in tiles of BN (64 on Hopper, 32 where shared
-// memory is smaller):
-//   * Rows are packed query heads x positions: packed row r = t * G + g for the G
-//     query heads of one KV head, so a 16:1 layer reads each K/V tile once for all
-//     16 heads (64 rows = 4 positions x 16 heads), not 16 times.
-//   * Q (64 x 512 bf16, 64 KB) stays in shared memory for the whole sweep; K and V
-//     tiles (BN x 512) have one buffer each: V_j is copied (cp.async) while S_j is
-//     computed, K_{j+1} while P_j V_j is. (A "narrow" variant, where each slice is
-//     copied by the warps that read it as soon as they are done with it, measured no
-//     faster; see Flash512Kernel's kNarrow and LaunchVariant.)
-//   * PV: warp w owns the output columns [64w, 64w+64) of all 64 rows: 64x64 fp32 =
-//     128 accumulator registers a thread; every warp reads the full P tile (bf16,
-//     through shared memory) and its own 64 V columns.
-//   * S = Q K^T: warps form a 2 (rows) x 2 (keys) x 2 (D halves) grid: warp
-//     (wm, wn, ks) computes the 32 x BN/2 block of rows 32wm.., keys (BN/2)wn.. over
-//     D[256ks, 256ks+256). The two D halves are reduced through shared memory in
-//     halves: each warp of a pair sends the 16 rows the other one owns, so after the
-//     exchange every warp holds 16 rows x BN/2 keys of the full S and all 8 warps
-//     run the softmax. A row spans two warps (wn = 0, 1): their partial row maxima
-//     meet through shared memory behind a two-warp named barrier.
+// Geometry. At D=512 a row-split (FA-2) kernel would hold a 16x512 fp32 output tile per warp
+// (256 registers a thread for O alone), so the head dimension is split across warps instead.
+// One block of 8 warps (256 threads) owns an M tile of 64 packed rows and sweeps the keys in
+// tiles of BN (64 where a block may have 227 KB of shared memory, 32 on the A100's 163 KB):
+//   * Rows are packed query heads x positions: packed row r = t * G + g for the G query heads
+//     of one KV head, so a 16:1 layer reads each K/V tile once for all 16 heads (64 rows =
+//     4 positions x 16 heads), not 16 times.
+//   * Q (64 x 512 bf16, 64 KB) stays in shared memory for the whole sweep; K and V tiles
+//     (BN x 512) have one buffer each: V_j is copied (cp.async) while S_j is computed, K_{j+1}
+//     while P_j V_j is.
+//   * PV: warp w owns the output columns [64w, 64w+64) of all 64 rows: 64x64 fp32 = 128
+//     accumulator registers a thread; every warp reads the full P tile (bf16, through shared
+//     memory) and its own 64 V columns.
+//   * S = Q K^T: warps form a 2 (rows) x 2 (keys) x 2 (D halves) grid: warp (wm, wn, ks)
+//     computes the 32 x BN/2 block of rows 32wm.., keys (BN/2)wn.. over D[256ks, 256ks+256).
+//     The two D halves are reduced through shared memory in halves: each warp of a pair sends
+//     the 16 rows the other one owns, so after the exchange every warp holds 16 rows x BN/2
+//     keys of the full S and all 8 warps run the softmax. A row spans two warps (wn = 0, 1):
+//     their partial row maxima meet through shared memory behind a two-warp named barrier.
 //   Why this split (shared-memory bytes read per 64x64 key tile, ldmatrix only):
-//     - split keys only (warp w: S[:, 8w:8w+8] over all D): every warp reads all
-//       of Q, 8 x 64 KB + 64 KB = 576 KB;
+//     - split keys only (warp w: S[:, 8w:8w+8] over all D): every warp reads all of Q,
+//       8 x 64 KB + 64 KB = 576 KB;
 //     - 2 (rows) x 4 (keys), full D: 8 x (32 KB Q + 16 KB K) = 384 KB;
-//     - split D only (warp w: all of S over D[64w..]): 128 KB of Q and K, but a
-//       64x64 fp32 partial per warp (128 more registers, on top of O's 128) and an
-//       8-way reduction of 128 KB through shared memory;
-//     - 2 x 2 x 2 (this kernel): 8 x (16 KB Q + 16 KB K) = 256 KB + a 2-way
-//       reduction of 16 KB written and read, 32 fp32 S registers a thread.
-//   P V reads 64 KB of P and 64 KB of V per tile in every variant, and the cp.async
-//   copies write 128 KB; shared memory bandwidth (128 B/clk/SM) is the limit of a
-//   mma.sync kernel at this head dim, so the S phase takes the cheapest split.
-// Shared memory rows are padded by 16 bytes (1040 B for 512 bf16, 144 B for a P
-// row) so that ldmatrix's eight 16-byte row reads and the fragment stores fall in
-// distinct banks.
+//     - split D only (warp w: all of S over D[64w..]): 128 KB of Q and K, but a 64x64 fp32
+//       partial per warp (128 more registers, on top of O's 128) and an 8-way reduction of
+//       128 KB through shared memory;
+//     - 2 x 2 x 2 (this kernel): 8 x (16 KB Q + 16 KB K) = 256 KB + a 2-way reduction of
+//       16 KB written and read, 32 fp32 S registers a thread.
+//   P V reads 64 KB of P and 64 KB of V per tile in every variant, and the cp.async copies
+//   write 128 KB; shared memory bandwidth (128 B/clk/SM) is the limit of a mma.sync kernel at
+//   this head dim, so the S phase takes the cheapest split.
+// Shared memory rows are padded by 16 bytes (1040 B for 512 bf16, 144 B for a P row) so that
+// ldmatrix's eight 16-byte row reads and the fragment stores fall in distinct banks.
 //
-// Masking and scheduling: a block's key range [n_lo, n_hi) is computed from the
-// device-side offsets (never read on the host); tiles outside it are skipped, only
-// tiles that cross the causal diagonal, the window's far edge or S are masked
-// element-wise. Rows without a visible key end with l = 0 and write o = 0,
-// lse = -inf. blockIdx.x is reversed so that, in a causal sweep, the M tiles with
-// the most key tiles start first and the short ones fill the tail.
-// Memory is O(1) beyond the operands: nothing is allocated.
-//
-// Measured, default variant (H200, causal, Hq=16, Hkv=1, T=S, scale 1): 213 / 223 / 228 /
-// 240 / 244 TFLOP/s at S = 4K / 8K / 16K / 32K / 64K (XLA: 208 / 205 / 150 / - / -); BN=32 (the
-// A100 shared-memory variant) 193 at 16K. What bounds it, as far as measured: the same
-// kernel with the per-tile K/V copies removed (a timing-only experiment, wrong results)
-// ran 350 TFLOP/s at 16K, so ~1/3 of the time is the K/V feed: a 64-key tile brings
-// 128 KB from L2 for 8.4 MFLOP (64 FLOP/B: ~3.5 TB/s of L2->SM traffic at 228 TFLOP/s)
-// plus 128 KB of shared-memory writes, and with one buffer each for K and V every copy
-// has only one phase (S or PV) to land. Giving every copy a whole tile period to land
-// (the "narrow" variant) did not help (226 vs 231 TFLOP/s at 16K, one run each), so the
-// copies' latency is likely not what costs; the L2->SM traffic is the next suspect (to be
-// confirmed with ncu's L2 throughput). Even without copies the kernel runs at about
-// half of its shared-memory/MMA issue bounds (~4.3K / ~3.4K clk a tile): the phases are
-// serialized by block barriers and 8 warps (1 block/SM) hide little latency. Larger M
-// tiles do not fit (O is already 128 registers a thread). Next: the Hopper version (TMA
-// multicast of K/V to a 2-CTA cluster halves the L2 traffic, mbarrier pipelining, wgmma
-// reading Q/K/V from shared memory without the ldmatrix register round trip).
+// Masking and scheduling: a block's key tiles come from the device-side offsets
+// (common/key_tiles.cuh; never read on the host); tiles outside them are skipped, only tiles
+// that cross the causal diagonal, the window's far edge or their segment's end are masked
+// element-wise. Rows without a visible key end with l = 0 and write o = 0, lse = -inf.
+// blockIdx.x is reversed so that, in a causal sweep, the M tiles with the most key tiles
+// start first and the short ones fill the tail. Memory is O(1) beyond the operands.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -473,8 +450,7 @@ cudaError_t LaunchFlashAttentionD512(const AttentionParams& p, cudaStream_t stre
   // Hopper (227 KB): key tile 64. A100 (163 KB): key tile 32. Parts with ~99 KB per
   // block (sm_86 / sm_89) cannot hold the resident 64 KB Q tile plus K and V tiles.
   if (max_smem >= Flash512Config<64>::kSmemBytes) {
-    // S loop fully unrolled, PV loop rolled: 254 registers, no spills (the S loop by 4
-    // with PV unrolled measured the same, 227 TFLOP/s at S=16K).
+    // S loop fully unrolled, PV loop rolled: 254 registers, no spills.
     return LaunchWithKeyTile<64, 16, 1>(p, stream);
   }
   if (max_smem >= Flash512Config<32>::kSmemBytes) return LaunchWithKeyTile<32, 16, 2>(p, stream);
