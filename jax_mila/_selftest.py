@@ -99,8 +99,9 @@ def _attention_case(d: int, target: str) -> Callable[[], str | None]:
     kernel or the portable one: jax_mila/ffi/attention.py)."""
     from jax_mila.ffi import attention
 
-    switch = attention._SM90[d][1]
     portable = f"jax_mila_flash_attention_d{d}"
+    # The portable kernel: the Hopper target unmapped (attention._SM90_TARGETS).
+    pin = {d: None} if target == portable else {}
     # The rotary-keys instance: scores from k's rotated columns and v's others.
     rotary = target == attention.D512_SM90_ROTARY_KEYS_TARGET
     r = attention.D512_SM90_ROTARY_PAIRS if rotary else None
@@ -112,8 +113,8 @@ def _attention_case(d: int, target: str) -> Callable[[], str | None]:
         v = jax.random.normal(k3, (1, 130, 2, d), jnp.bfloat16)
         kw = dict(scale=d**-0.5, causal=True, window=64, q_offset=33, kv_offset=0,
                   rotary_keys_only=r)
-        # The switch is read when the call is traced.
-        with mock.patch.dict(os.environ, {switch: "0" if target == portable else "1"}):
+        # The route is chosen when the call is traced.
+        with mock.patch.dict(attention._SM90_TARGETS, pin):
             routed = attention._route(q, k, v, r)[0]
             if routed != target:
                 return f"ffi.flash_attention routes this call to {routed}, not {target}"
@@ -133,7 +134,8 @@ def _attention_targets() -> list[tuple[int, str]]:
     caps = _registry.cuda_capabilities()
     hopper = bool(caps) and all(cc == (9, 0) for cc in caps)
     return [(d, t) for d in (256, 512)
-            for t in (f"jax_mila_flash_attention_d{d}",) + ((attention._SM90[d][0],) if hopper else ())
+            for t in (f"jax_mila_flash_attention_d{d}",)
+            + ((attention._SM90_TARGETS[d],) if hopper else ())
             + ((attention.D512_SM90_ROTARY_KEYS_TARGET,) if hopper and d == 512 else ())]
 
 

@@ -23,7 +23,6 @@ Exit status 0 when every case matched its oracle.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from unittest import mock
 
@@ -232,10 +231,13 @@ def check_grouped_w4a8():
                 yield name
 
 
-def _with_env(name, value, checks):
-    """``checks`` with os.environ[name] = value while they run (routing is read at trace time)."""
-    with mock.patch.dict(os.environ, {name: value}):
-        yield from checks
+def _mma_sync(d):
+    """check_attention(d) through the portable mma.sync kernel on Hopper too: the Hopper target
+    unmapped while the checks run (the route is chosen at trace time)."""
+    from jax_mila.ffi import attention
+
+    with mock.patch.dict(attention._SM90_TARGETS, {d: None}):
+        yield from check_attention(d)
 
 
 # The model of the prefill groups: both attention geometries (D=256 sliding with a window of
@@ -340,16 +342,14 @@ def check_collectives_two_gpus():
     yield "all-gather + psum over 2 GPUs"
 
 
-# On Hopper "d256" / "d512" run the sm90 kernels (the defaults there); "d256_mma" / "d512_mma"
-# the portable mma.sync kernels. The launchers' developer knobs (JAX_MILA_FLASH256_SM90_LOOP,
-# JAX_MILA_FLASH256_SM90_PERSISTENT, JAX_MILA_FLASH512_SM90_CLUSTER) are read once per process:
-# set them in the environment of the sanitized process.
+# On Hopper "d256" / "d512" run the sm90 kernels (the route there); "d256_mma" / "d512_mma"
+# the portable mma.sync kernels.
 OPS = {"quantize": check_quantize, "norm_rope": check_norm_rope,
        "d256": lambda: check_attention(256),
        "d512": lambda: check_attention(512),
        "d512_rotary": lambda: check_attention(512, rotary_keys_only=64),  # Hopper: *_rotary_keys
-       "d256_mma": lambda: _with_env("JAX_MILA_FLASH256_SM90", "0", check_attention(256)),
-       "d512_mma": lambda: _with_env("JAX_MILA_FLASH512_SM90", "0", check_attention(512)),
+       "d256_mma": lambda: _mma_sync(256),
+       "d512_mma": lambda: _mma_sync(512),
        "w4a8": check_w4a8, "moe": check_grouped_w4a8, "prefill_1gpu": check_prefill_one_gpu,
        "prefill_cp2": check_prefill_two_gpus,
        "collectives_cp2": check_collectives_two_gpus}

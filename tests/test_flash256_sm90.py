@@ -1,16 +1,12 @@
 """The Hopper D=256 flash attention (csrc/flash256_sm90/, target *_d256_sm90).
 
-CPU: jax_mila.ffi.attention routes D=256 calls to it by default when the target is built, every
-GPU has compute capability 9.0 and Hq / Hkv divides a consumer's 64 rows;
-JAX_MILA_FLASH256_SM90=0 turns it off.
+CPU: jax_mila.ffi.attention routes D=256 calls to it when the target is built, every GPU has
+compute capability 9.0 and Hq / Hkv divides a consumer's 64 rows.
 GPU (cc 9.0, a build whose architectures include 90a): the new kernel against the mma.sync
 kernel (its oracle) on the same inputs, called through both FFI targets directly, so that
-neither routing nor the environment can make the comparison vacuous. The launcher reads two
-developer knobs once per process: JAX_MILA_FLASH256_SM90_LOOP (pingpong by default, overlap,
-serial: the consumer main loop) and JAX_MILA_FLASH256_SM90_PERSISTENT (0: one CTA per work
-item instead of one per SM); run this file once per setting. The full contract suite
+routing cannot make the comparison vacuous. The full contract suite
 (tests/test_flash_attention.py) runs both kernels: its default D=256 class through this one,
-its MmaSync class with the variable set to 0.
+its MmaSync class with the Hopper target unmapped (attention._SM90_TARGETS).
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ from jax_mila.ffi import attention
 
 SM90 = attention.D256_SM90_TARGET
 MMA = "jax_mila_flash_attention_d256"
-ENV = "JAX_MILA_FLASH256_SM90"
 
 
 def _shapes(hq, hkv):
@@ -37,42 +32,40 @@ def _shapes(hq, hkv):
 
 
 class RoutingTest(parameterized.TestCase):
-    def _target(self, env, caps, registered, hq=16, hkv=8):
-        environ = {ENV: env} if env is not None else {}
-        with mock.patch.dict(os.environ, environ, clear=False), \
-                mock.patch.object(attention, "cuda_capabilities", lambda: caps), \
+    def _target(self, caps, registered, hq=16, hkv=8):
+        with mock.patch.object(attention, "cuda_capabilities", lambda: caps), \
                 mock.patch.object(attention, "_registered_targets",
                                   lambda: frozenset(registered)):
-            if env is None:
-                os.environ.pop(ENV, None)
             return attention._target(*_shapes(hq, hkv))
 
-    @parameterized.named_parameters(("_gemma_g2", None, 16, 8), ("_g1", None, 4, 4),
-                                    ("_g16", None, 16, 1), ("_env_one", "1", 16, 8))
-    def test_hopper_routes_to_sm90_by_default(self, env, hq, hkv):
-        self.assertEqual(self._target(env, ((9, 0),), {MMA, SM90}, hq, hkv), SM90)
+    @parameterized.named_parameters(("_gemma_g2", 16, 8), ("_g1", 4, 4), ("_g16", 16, 1))
+    def test_hopper_routes_to_sm90(self, hq, hkv):
+        self.assertEqual(self._target(((9, 0),), {MMA, SM90}, hq, hkv), SM90)
 
     @parameterized.named_parameters(
-        ("_env_zero", "0", ((9, 0),), {MMA, SM90}, 16, 8),
-        ("_not_built", "1", ((9, 0),), {MMA}, 16, 8),
-        ("_ampere", "1", ((8, 0),), {MMA, SM90}, 16, 8),
-        ("_mixed_gpus", "1", ((9, 0), (8, 0)), {MMA, SM90}, 16, 8),
-        ("_no_gpu", "1", (), {MMA, SM90}, 16, 8),
-        ("_groups_not_dividing_64", "1", ((9, 0),), {MMA, SM90}, 12, 4),
+        ("_not_built", ((9, 0),), {MMA}, 16, 8),
+        ("_ampere", ((8, 0),), {MMA, SM90}, 16, 8),
+        ("_mixed_gpus", ((9, 0), (8, 0)), {MMA, SM90}, 16, 8),
+        ("_no_gpu", (), {MMA, SM90}, 16, 8),
+        ("_groups_not_dividing_64", ((9, 0),), {MMA, SM90}, 12, 4),
     )
-    def test_otherwise_the_mma_sync_kernel(self, env, caps, registered, hq, hkv):
-        self.assertEqual(self._target(env, caps, registered, hq, hkv), MMA)
+    def test_otherwise_the_mma_sync_kernel(self, caps, registered, hq, hkv):
+        self.assertEqual(self._target(caps, registered, hq, hkv), MMA)
 
-    def test_d512_routing_is_not_affected(self):
-        # Each head dim has its own switch: the D=256 one must not route D=512 calls.
-        with mock.patch.dict(os.environ, {ENV: "1", "JAX_MILA_FLASH512_SM90": "0"}), \
-                mock.patch.object(attention, "cuda_capabilities", lambda: ((9, 0),)), \
+    def test_unmapping_one_head_dim_leaves_the_other(self):
+        # The tests' way to run the mma.sync kernel on Hopper: each head dim has its own entry.
+        d512 = ("jax_mila_flash_attention_d512", attention.D512_SM90_TARGET)
+        with mock.patch.object(attention, "cuda_capabilities", lambda: ((9, 0),)), \
                 mock.patch.object(attention, "_registered_targets",
-                                  lambda: frozenset({MMA, SM90, "jax_mila_flash_attention_d512",
-                                                     attention.D512_SM90_TARGET})):
+                                  lambda: frozenset({MMA, SM90, *d512})):
             q = jax.ShapeDtypeStruct((1, 8, 16, 512), jnp.bfloat16)
             k = jax.ShapeDtypeStruct((1, 8, 1, 512), jnp.bfloat16)
-            self.assertEqual(attention._target(q, k), "jax_mila_flash_attention_d512")
+            with mock.patch.dict(attention._SM90_TARGETS, {512: None}):
+                self.assertEqual(attention._target(q, k), d512[0])
+                self.assertEqual(attention._target(*_shapes(16, 8)), SM90)
+            with mock.patch.dict(attention._SM90_TARGETS, {256: None}):
+                self.assertEqual(attention._target(q, k), d512[1])
+                self.assertEqual(attention._target(*_shapes(16, 8)), MMA)
 
     def test_target_is_a_known_flash_attention_target(self):
         ffi.status("flash_attention", SM90)  # raises ValueError for an unknown target
@@ -141,24 +134,21 @@ class Sm90VersusMmaSyncGpuTest(parameterized.TestCase):
         self.assertGreater(float(np.abs(o0).max()), 1e-3, msg)
         self.assertTrue(fin.any(), msg)
 
-    def test_env_routes_to_sm90(self):
+    def test_routing_reaches_the_hlo(self):
         q = jnp.zeros((1, 8, 16, 256), jnp.bfloat16)
         k = jnp.zeros((1, 8, 8, 256), jnp.bfloat16)
 
-        def lowered(env):
-            # A fresh function each time: jit caches traces per function, and the routing
-            # variable is read when the call is traced.
+        def lowered():
+            # A fresh function each time: jit caches traces per function, and the route is
+            # chosen when the call is traced.
             def fn(q, k):
                 return ffi.flash_attention(q, k, k, scale=1.0, causal=True, window=4)
 
-            with mock.patch.dict(os.environ, {} if env is None else {ENV: env}):
-                if env is None:
-                    os.environ.pop(ENV, None)
-                return jax.jit(fn).lower(q, k).as_text()
+            return jax.jit(fn).lower(q, k).as_text()
 
-        self.assertIn(SM90, lowered(None))
-        self.assertIn(SM90, lowered("1"))
-        hlo = lowered("0")
+        self.assertIn(SM90, lowered())
+        with mock.patch.dict(attention._SM90_TARGETS, {256: None}):
+            hlo = lowered()
         self.assertNotIn(SM90, hlo)
         self.assertIn(MMA, hlo)
 

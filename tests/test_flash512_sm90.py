@@ -1,15 +1,14 @@
 """The Hopper D=512 flash attention (csrc/flash512_sm90/, targets *_d512_sm90 and
 *_d512_sm90_rotary_keys).
 
-CPU: jax_mila.ffi.attention routes D=512 calls to it by default when the target is built, every
-GPU has compute capability 9.0 and Hq / Hkv divides its 64-row tile; JAX_MILA_FLASH512_SM90=0
-turns it off.
+CPU: jax_mila.ffi.attention routes D=512 calls to it when the target is built, every GPU has
+compute capability 9.0 and Hq / Hkv divides its 64-row tile.
 GPU (cc 9.0, built with JAX_MILA_KERNELS=...;flash512_sm90): the new kernel against the
 mma.sync kernel (its oracle) on the same inputs, called through both FFI targets directly,
-so that neither routing nor the environment can make the comparison vacuous. The full
-contract suite (tests/test_flash_attention.py) runs both: its default D=512 class through this
-kernel, its MmaSync class with the variable set to 0; the test here also proves that the
-default really routes to the new target and that 0 routes away from it.
+so that routing cannot make the comparison vacuous. The full contract suite
+(tests/test_flash_attention.py) runs both: its default D=512 class through this kernel, its
+MmaSync class with the Hopper target unmapped (attention._SM90_TARGETS); the test here also
+proves that the default really routes to the new target and that unmapping routes away.
 The rotary-keys instance (rotary_keys_only=64: scores from K's rotated columns and V's others)
 is held to the mma.sync kernel given the substituted keys (reference.keys_except_rotary).
 """
@@ -30,7 +29,6 @@ from jax_mila.ffi import attention
 SM90 = attention.D512_SM90_TARGET
 ROTARY = attention.D512_SM90_ROTARY_KEYS_TARGET
 MMA = "jax_mila_flash_attention_d512"
-ENV = "JAX_MILA_FLASH512_SM90"
 
 
 def _shapes(hq, hkv):
@@ -39,30 +37,24 @@ def _shapes(hq, hkv):
 
 
 class RoutingTest(parameterized.TestCase):
-    def _target(self, env, caps, registered, hq=16, hkv=1):
-        environ = {ENV: env} if env is not None else {}
-        with mock.patch.dict(os.environ, environ, clear=False), \
-                mock.patch.object(attention, "cuda_capabilities", lambda: caps), \
+    def _target(self, caps, registered, hq=16, hkv=1):
+        with mock.patch.object(attention, "cuda_capabilities", lambda: caps), \
                 mock.patch.object(attention, "_registered_targets",
                                   lambda: frozenset(registered)):
-            if env is None:
-                os.environ.pop(ENV, None)
             return attention._target(*_shapes(hq, hkv))
 
-    @parameterized.named_parameters(("_env_unset", None), ("_env_one", "1"))
-    def test_hopper_routes_to_sm90_by_default(self, env):
-        self.assertEqual(self._target(env, ((9, 0),), {MMA, SM90}), SM90)
+    def test_hopper_routes_to_sm90(self):
+        self.assertEqual(self._target(((9, 0),), {MMA, SM90}), SM90)
 
     @parameterized.named_parameters(
-        ("_env_zero", "0", ((9, 0),), {MMA, SM90}, 16, 1),
-        ("_not_built", "1", ((9, 0),), {MMA}, 16, 1),
-        ("_ampere", "1", ((8, 0),), {MMA, SM90}, 16, 1),
-        ("_mixed_gpus", "1", ((9, 0), (8, 0)), {MMA, SM90}, 16, 1),
-        ("_no_gpu", "1", (), {MMA, SM90}, 16, 1),
-        ("_groups_not_dividing_64", "1", ((9, 0),), {MMA, SM90}, 12, 4),
+        ("_not_built", ((9, 0),), {MMA}, 16, 1),
+        ("_ampere", ((8, 0),), {MMA, SM90}, 16, 1),
+        ("_mixed_gpus", ((9, 0), (8, 0)), {MMA, SM90}, 16, 1),
+        ("_no_gpu", (), {MMA, SM90}, 16, 1),
+        ("_groups_not_dividing_64", ((9, 0),), {MMA, SM90}, 12, 4),
     )
-    def test_otherwise_the_mma_sync_kernel(self, env, caps, registered, hq, hkv):
-        self.assertEqual(self._target(env, caps, registered, hq, hkv), MMA)
+    def test_otherwise_the_mma_sync_kernel(self, caps, registered, hq, hkv):
+        self.assertEqual(self._target(caps, registered, hq, hkv), MMA)
 
     def test_target_is_a_known_flash_attention_target(self):
         for target in (SM90, ROTARY):
@@ -74,7 +66,6 @@ class RoutingTest(parameterized.TestCase):
         v = jnp.full((1, 8, hkv, 512), 2, jnp.bfloat16)
         with mock.patch.object(attention, "cuda_capabilities", lambda: caps), \
                 mock.patch.object(attention, "_registered_targets", lambda: frozenset(registered)):
-            os.environ.pop(ENV, None)
             target, keys, r_out = attention._route(q, k, v, r)
         return target, np.asarray(keys[0, 0, 0], np.float32), r_out
 
@@ -202,12 +193,10 @@ class Sm90VersusMmaSyncGpuTest(parameterized.TestCase):
         self.assertLess(float(np.abs(o1 - o0).max()), 2e-2 * max(1.0, float(np.abs(o0).max())),
                         msg)
 
-    @parameterized.named_parameters(("_default", None, True), ("_env_zero", "0", False))
-    def test_routing_reaches_the_hlo(self, env, sm90):
+    @parameterized.named_parameters(("_default", {}, True), ("_unmapped", {512: None}, False))
+    def test_routing_reaches_the_hlo(self, targets, sm90):
         q = jnp.zeros((1, 8, 16, 512), jnp.bfloat16)
-        with mock.patch.dict(os.environ, {} if env is None else {ENV: env}):
-            if env is None:
-                os.environ.pop(ENV, None)
+        with mock.patch.dict(attention._SM90_TARGETS, targets):
             hlo = jax.jit(lambda q: ffi.flash_attention(q, q[:, :, :1], q[:, :, :1], scale=1.0,
                                                         causal=True)).lower(q).as_text()
         (self.assertIn if sm90 else self.assertNotIn)(SM90, hlo)

@@ -35,6 +35,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from jax_mila import ffi, testing
+from jax_mila.ffi import attention
 from jax_mila.ffi._registry import _registered_targets
 
 FLOOR = 2.0**-8
@@ -477,9 +478,10 @@ def _check_shard_map(tc, d, devices=None):
 # GPU: the CUDA kernel of one head dim. One class per head dim (so -k d256 / -k d512 pick one).
 
 
-def _make_gpu_test_class(d: int, env: dict[str, str] | None = None):
-    """The suite for head dim ``d`` through ffi.flash_attention, with ``env`` set while each test
-    runs (the routing variables are read at trace time)."""
+def _make_gpu_test_class(d: int, mma_sync: bool = False):
+    """The suite for head dim ``d`` through ffi.flash_attention; ``mma_sync``: with the Hopper
+    target of ``d`` unmapped while each test runs (the route is chosen at trace time), so that
+    the portable kernel answers on Hopper too."""
     target = f"jax_mila_flash_attention_d{d}"
     params = [dict(testcase_name=f"_{c[0]}", case=c[1:]) for c in CASES]
     seg_params = [dict(testcase_name=f"_{c[0]}", case=c[1:]) for c in SEGMENTED_CASES]
@@ -492,8 +494,8 @@ def _make_gpu_test_class(d: int, env: dict[str, str] | None = None):
         def setUp(self):
             super().setUp()
             testing.skip_unless_kernel(self, "flash_attention", target)
-            if env:
-                patch = mock.patch.dict(os.environ, env)
+            if mma_sync:
+                patch = mock.patch.dict(attention._SM90_TARGETS, {d: None})
                 patch.start()
                 self.addCleanup(patch.stop)
 
@@ -592,7 +594,7 @@ def _make_gpu_test_class(d: int, env: dict[str, str] | None = None):
                         run3()
 
         if d == 256:
-            @mock.patch.dict(os.environ, {"JAX_MILA_FLASH256_SM90": "0"})
+            @mock.patch.dict(attention._SM90_TARGETS, {256: None})
             def test_small_cpp_refuses_more_queries_than_the_grid_holds(self):
                 ffi.status("flash_attention", target)
                 t = 65535 * 64 + 1  # 2 GiB of queries, never read: refused before the launch
@@ -614,9 +616,9 @@ def _make_gpu_test_class(d: int, env: dict[str, str] | None = None):
 # On an H200 the default classes run the Hopper kernels (flash256_sm90, flash512_sm90); the
 # MmaSync classes keep the portable mma.sync kernels under the whole contract there too.
 FlashAttentionD256GpuTest = _make_gpu_test_class(256)
-FlashAttentionD256MmaSyncGpuTest = _make_gpu_test_class(256, {"JAX_MILA_FLASH256_SM90": "0"})
+FlashAttentionD256MmaSyncGpuTest = _make_gpu_test_class(256, mma_sync=True)
 FlashAttentionD512GpuTest = _make_gpu_test_class(512)
-FlashAttentionD512MmaSyncGpuTest = _make_gpu_test_class(512, {"JAX_MILA_FLASH512_SM90": "0"})
+FlashAttentionD512MmaSyncGpuTest = _make_gpu_test_class(512, mma_sync=True)
 
 
 if __name__ == "__main__":

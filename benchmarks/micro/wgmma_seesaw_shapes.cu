@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "common/attention_sm90.cuh"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
 #include "sm90_device.h"
@@ -32,10 +33,12 @@ namespace mila::bench {
 namespace hx = ::mila::ptx::sm90;
 
 enum Variant : int { kS = 0, kSDeep = 1, kPv = 2, kMix = 3 };
-constexpr int kThreads = 256;                       // two consumer warpgroups
-constexpr int kColBlockBytes = 64 * 64 * 2;         // 64 rows x 128 bytes
-constexpr int kTileBytes = 8 * kColBlockBytes;      // 64 x 512 bf16
-constexpr int kSmemBytes = 2 * kTileBytes + 1024;   // Q and one K/V tile, + alignment slack
+// The D=512 kernels' tiles (flash512_sm90/): 64 rows x 512 bf16 in 8 column blocks.
+using Tiles = attention_sm90::Traits<512, 64>;
+constexpr int kThreads = Tiles::kConsumerThreads;  // two consumer warpgroups
+constexpr int kColBlockBytes = attention_sm90::kColBlockBytes;
+constexpr int kTileBytes = Tiles::kTileBytes;
+constexpr int kSmemBytes = 2 * kTileBytes + Tiles::kSmemAlign;  // Q and one K/V tile
 constexpr double kSFlop = 2.0 * 64 * 64 * 512;      // one S tile
 constexpr double kPvFlop = 2.0 * 64 * 256 * 64;     // one P V tile into one O half
 
@@ -52,9 +55,9 @@ template <int kVariant>
 __global__ void __launch_bounds__(kThreads, 1)
     wgmma_shapes(int tiles, float* sink, unsigned long long* clocks) {
   extern __shared__ unsigned char smem_raw[];
-  const uint32_t raw = ptx::smem_addr(smem_raw);
-  const uint32_t base = (raw + 1023u) & ~1023u;
-  uint16_t* fill = reinterpret_cast<uint16_t*>(smem_raw + (base - raw));
+  const attention_sm90::AlignedSmem smem = attention_sm90::AlignSmem(smem_raw);
+  const uint32_t base = smem.base;
+  uint16_t* fill = reinterpret_cast<uint16_t*>(smem.ptr);
   // Q and the K/V tile: kTileBytes bf16 values in all, 64 KB each.
   for (int i = threadIdx.x; i < kTileBytes; i += kThreads) {
     fill[i] = random_bf16(i + 7919 * blockIdx.x);

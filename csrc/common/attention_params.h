@@ -1,5 +1,5 @@
-// The launch contract shared by the flash-attention kernels (flash256/, flash512/)
-// and their FFI handlers.
+// The launch contract shared by the flash-attention kernels (flash256/, flash512/,
+// flash256_sm90/, flash512_sm90/) and their FFI handlers.
 #pragma once
 
 #include <cuda_bf16.h>

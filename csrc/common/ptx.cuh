@@ -103,7 +103,7 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
-// ---- flash512 ---------------------------------------------------------------
+// ---- named barriers (ids: attention_sm90::NamedBarrier for the Hopper kernels) ----
 
 // Barrier among `nthreads` threads (a multiple of 32, whole warps) that use the
 // same `id` (1..15; 0 is __syncthreads). Orders shared-memory accesses among them.

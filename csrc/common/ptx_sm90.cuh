@@ -1,6 +1,6 @@
 // Inline-PTX wrappers of the Hopper (sm_90a) kernels: mbarriers, TMA, clusters, setmaxnreg,
-// wgmma synchronization and shared-memory descriptors, and the bf16 wgmma shapes of the D=512
-// attention kernel (the W4A8 kernels' FP8 shape is in ptx.cuh). Outside sm_90a code
+// wgmma synchronization and shared-memory descriptors, and the bf16 wgmma shapes of the
+// attention kernels (the W4A8 kernels' FP8 shape is in ptx.cuh). Outside sm_90a code
 // (MILA_HAS_SM90A undefined) the instructions that need it compile to nothing; kernels built
 // from them guard their bodies with the same macro.
 #pragma once
@@ -121,7 +121,7 @@ __device__ __forceinline__ void tma_prefetch_desc(const void* tmap) {
 #endif
 }
 
-// ---- clusters (the 2-CTA multicast variant) -----------------------------------
+// ---- clusters (TMA multicast to the CTAs of a cluster) --------------------------
 
 __device__ __forceinline__ uint32_t cluster_ctarank() {
   uint32_t r = 0;
@@ -177,8 +177,8 @@ __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const void* 
 // that releases a stage the other CTA's producer will overwrite, its reads have returned before
 // it arrives, which is all that producer needs. Waits stay mbar_wait (CTA scope) too: the bytes
 // a full barrier counts, multicast included, are visible once its phase completes. (At cluster
-// scope ptxas puts a MEMBAR.ALL.GPU before each arrival and a CCTL.IVALL after each wait; the
-// W4A8 cluster kernel ran at ~55% of its speed with them, and those wrappers were removed.)
+// scope ptxas puts a MEMBAR.ALL.GPU before each arrival and a CCTL.IVALL after each wait, which
+// costs a cluster kernel much of its speed.)
 __device__ __forceinline__ void mbar_arrive_remote(uint32_t cluster_addr) {
 #ifdef MILA_HAS_SM90A
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
@@ -205,7 +205,7 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, ui
 
 // Arrival without waiting on named barrier `id` (1..15), whose phase completes when
 // `nthreads` threads (whole warps) have arrived or synced on it (ptx::named_barrier_sync).
-// Pairs a producer-side signal with the other side's bar.sync (flash256_sm90's ping-pong).
+// Pairs one side's signal with the other side's bar.sync (flash256_sm90's ping-pong turns).
 __device__ __forceinline__ void named_barrier_arrive(int id, int nthreads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
 }
@@ -243,8 +243,7 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr, uint32_t lbo, uint
 // descriptor of a step `bytes` past the base is at(bytes), the base's low word plus bytes / 16
 // and the same high word. The start-address field (bits 0-13) cannot carry into the leading
 // byte offset above it, since shared addresses stay below 256 KB; so a step costs one 32-bit
-// add instead of desc_sw128's masks, shifts and ORs (ten uniform instructions per wgmma in the
-// seesaw kernel's S loop before).
+// add instead of desc_sw128's masks, shifts and ORs (about five instructions per descriptor).
 struct DescSw128 {
   uint32_t lo, hi;
   __device__ __forceinline__ DescSw128(uint32_t addr, uint32_t lbo, uint32_t sbo) {

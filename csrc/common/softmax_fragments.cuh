@@ -2,7 +2,8 @@
 // kernels (flash256_sm90, flash512_sm90, flash512_sm90_seesaw). Layout (m64nN, fp32, one
 // warp's 16 rows): element 4j + {0, 1} belongs to row g = lane / 4, elements 4j + {2, 3} to
 // row g + 8, columns 8j + 2 (lane % 4) + {0, 1}; a row's values are spread over the 4 lanes of
-// its quad.
+// its quad. The steps that take a range [first, last) of elements or of 4-element groups j let
+// a kernel work on part of a 64-key tile (flash512_sm90's consumers: one 32-key half each).
 #pragma once
 
 #include <cstdint>
@@ -13,11 +14,13 @@ namespace mila::softmax_fragments {
 
 __device__ __forceinline__ float NegInf() { return __int_as_float(0xff800000); }
 
-// Each row's maximum over this thread's 32 values of the tile; QuadMax completes it.
+// Each row's maximum over this thread's values in groups [kJ0, kJ1) of the tile (all 32 values
+// by default); QuadMax completes it.
+template <int kJ0 = 0, int kJ1 = 8>
 __device__ __forceinline__ void ThreadRowMax(const float (&s)[32], float (&mx)[2]) {
   mx[0] = mx[1] = NegInf();
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+  for (int j = kJ0; j < kJ1; ++j) {
     mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
     mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
   }
@@ -29,12 +32,24 @@ __device__ __forceinline__ float QuadMax(float x) {
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
-// P = exp2(s - base) in place, and l = l * alpha + each row's sum of P.
+// One row's running maximum m_run moved to max(m_run, mx): returns the base of the tile's
+// exponentials (the new maximum, or 0 while the row has seen no key: exp2(-inf - 0) = 0) and
+// sets alpha, the factor that rescales what was summed relative to the old maximum.
+__device__ __forceinline__ float UpdateRowMax(float mx, float& m_run, float& alpha) {
+  const float m_new = fmaxf(m_run, mx);
+  const float base = m_new == NegInf() ? 0.f : m_new;
+  alpha = ptx::exp2_approx(m_run - base);
+  m_run = m_new;
+  return base;
+}
+
+// P = exp2(s - base) in place on elements [kE0, kE1), and l = l * alpha + each row's sum of P.
+template <int kE0 = 0, int kE1 = 32>
 __device__ __forceinline__ void ExpAndSum(float (&s)[32], const float (&base)[2],
                                           const float (&alpha)[2], float (&l_run)[2]) {
   float rowsum[2] = {0.f, 0.f};
 #pragma unroll
-  for (int e = 0; e < 32; ++e) {
+  for (int e = kE0; e < kE1; ++e) {
     s[e] = ptx::exp2_approx(s[e] - base[(e >> 1) & 1]);
     rowsum[(e >> 1) & 1] += s[e];
   }
@@ -53,10 +68,7 @@ __device__ __forceinline__ void OnlineSoftmax(float (&s)[32], float (&m_run)[2],
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     mx[r] = QuadMax(mx[r]);
-    const float m_new = fmaxf(m_run[r], mx[r]);
-    base_r[r] = m_new == NegInf() ? 0.f : m_new;
-    alpha[r] = ptx::exp2_approx(m_run[r] - base_r[r]);
-    m_run[r] = m_new;
+    base_r[r] = UpdateRowMax(mx[r], m_run[r], alpha[r]);
   }
   ExpAndSum(s, base_r, alpha, l_run);
 }

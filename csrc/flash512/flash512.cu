@@ -1,75 +1,50 @@
-// FlashAttention prefill for head dim 512 (Gemma 4 global layers), the portable
-// mma.sync path (sm_80 / sm_89 / sm_90a; a Hopper wgmma version is a later issue).
+// FlashAttention prefill for head dim 512 (Gemma 4 global layers), the portable mma.sync path
+// (sm_80 / sm_89 / sm_90a) and the oracle of the Hopper kernels (flash512_sm90/).
 //
-// Geometry. At D=512 a row-split (FA-2) kernel would hold a 16x512 fp32 output
-// tile per warp (256 registers a thread for O alone), so the head dimension is split
-// across warps instead. One block of 8 warps (256 threads) owns an M tile of 64
-// packed rows and sweeps the keys in tiles of BN (64 on Hopper, 32 where shared
-// memory is smaller):
-//   * Rows are packed query heads x positions: packed row r = t * G + g for the G
-//     query heads of one KV head, so a 16:1 layer reads each K/V tile once for all
-//     16 heads (64 rows = 4 positions x 16 heads), not 16 times.
-//   * Q (64 x 512 bf16, 64 KB) stays in shared memory for the whole sweep; K and V
-//     tiles (BN x 512) have one buffer each: V_j is copied (cp.async) while S_j is
-//     computed, K_{j+1} while P_j V_j is. (A "narrow" variant, where each slice is
-//     copied by the warps that read it as soon as they are done with it, measured no
-//     faster; see Flash512Kernel's kNarrow and LaunchVariant.)
-//   * PV: warp w owns the output columns [64w, 64w+64) of all 64 rows: 64x64 fp32 =
-//     128 accumulator registers a thread; every warp reads the full P tile (bf16,
-//     through shared memory) and its own 64 V columns.
-//   * S = Q K^T: warps form a 2 (rows) x 2 (keys) x 2 (D halves) grid: warp
-//     (wm, wn, ks) computes the 32 x BN/2 block of rows 32wm.., keys (BN/2)wn.. over
-//     D[256ks, 256ks+256). The two D halves are reduced through shared memory in
-//     halves: each warp of a pair sends the 16 rows the other one owns, so after the
-//     exchange every warp holds 16 rows x BN/2 keys of the full S and all 8 warps
-//     run the softmax. A row spans two warps (wn = 0, 1): their partial row maxima
-//     meet through shared memory behind a two-warp named barrier.
+// Geometry. At D=512 a row-split (FA-2) kernel would hold a 16x512 fp32 output tile per warp
+// (256 registers a thread for O alone), so the head dimension is split across warps instead.
+// One block of 8 warps (256 threads) owns an M tile of 64 packed rows and sweeps the keys in
+// tiles of BN (64 where a block may have 227 KB of shared memory, 32 on the A100's 163 KB):
+//   * Rows are packed query heads x positions: packed row r = t * G + g for the G query heads
+//     of one KV head, so a 16:1 layer reads each K/V tile once for all 16 heads (64 rows =
+//     4 positions x 16 heads), not 16 times.
+//   * Q (64 x 512 bf16, 64 KB) stays in shared memory for the whole sweep; K and V tiles
+//     (BN x 512) have one buffer each: V_j is copied (cp.async) while S_j is computed, K_{j+1}
+//     while P_j V_j is.
+//   * PV: warp w owns the output columns [64w, 64w+64) of all 64 rows: 64x64 fp32 = 128
+//     accumulator registers a thread; every warp reads the full P tile (bf16, through shared
+//     memory) and its own 64 V columns.
+//   * S = Q K^T: warps form a 2 (rows) x 2 (keys) x 2 (D halves) grid: warp (wm, wn, ks)
+//     computes the 32 x BN/2 block of rows 32wm.., keys (BN/2)wn.. over D[256ks, 256ks+256).
+//     The two D halves are reduced through shared memory in halves: each warp of a pair sends
+//     the 16 rows the other one owns, so after the exchange every warp holds 16 rows x BN/2
+//     keys of the full S and all 8 warps run the softmax. A row spans two warps (wn = 0, 1):
+//     their partial row maxima meet through shared memory behind a two-warp named barrier.
 //   Why this split (shared-memory bytes read per 64x64 key tile, ldmatrix only):
-//     - split keys only (warp w: S[:, 8w:8w+8] over all D): every warp reads all
-//       of Q, 8 x 64 KB + 64 KB = 576 KB;
+//     - split keys only (warp w: S[:, 8w:8w+8] over all D): every warp reads all of Q,
+//       8 x 64 KB + 64 KB = 576 KB;
 //     - 2 (rows) x 4 (keys), full D: 8 x (32 KB Q + 16 KB K) = 384 KB;
-//     - split D only (warp w: all of S over D[64w..]): 128 KB of Q and K, but a
-//       64x64 fp32 partial per warp (128 more registers, on top of O's 128) and an
-//       8-way reduction of 128 KB through shared memory;
-//     - 2 x 2 x 2 (this kernel): 8 x (16 KB Q + 16 KB K) = 256 KB + a 2-way
-//       reduction of 16 KB written and read, 32 fp32 S registers a thread.
-//   P V reads 64 KB of P and 64 KB of V per tile in every variant, and the cp.async
-//   copies write 128 KB; shared memory bandwidth (128 B/clk/SM) is the limit of a
-//   mma.sync kernel at this head dim, so the S phase takes the cheapest split.
-// Shared memory rows are padded by 16 bytes (1040 B for 512 bf16, 144 B for a P
-// row) so that ldmatrix's eight 16-byte row reads and the fragment stores fall in
-// distinct banks.
+//     - split D only (warp w: all of S over D[64w..]): 128 KB of Q and K, but a 64x64 fp32
+//       partial per warp (128 more registers, on top of O's 128) and an 8-way reduction of
+//       128 KB through shared memory;
+//     - 2 x 2 x 2 (this kernel): 8 x (16 KB Q + 16 KB K) = 256 KB + a 2-way reduction of
+//       16 KB written and read, 32 fp32 S registers a thread.
+//   P V reads 64 KB of P and 64 KB of V per tile in every variant, and the cp.async copies
+//   write 128 KB; shared memory bandwidth (128 B/clk/SM) is the limit of a mma.sync kernel at
+//   this head dim, so the S phase takes the cheapest split.
+// Shared memory rows are padded by 16 bytes (1040 B for 512 bf16, 144 B for a P row) so that
+// ldmatrix's eight 16-byte row reads and the fragment stores fall in distinct banks.
 //
-// Masking and scheduling: a block's key range [n_lo, n_hi) is computed from the
-// device-side offsets (never read on the host); tiles outside it are skipped, only
-// tiles that cross the causal diagonal, the window's far edge or S are masked
-// element-wise. Rows without a visible key end with l = 0 and write o = 0,
-// lse = -inf. blockIdx.x is reversed so that, in a causal sweep, the M tiles with
-// the most key tiles start first and the short ones fill the tail.
-// Memory is O(1) beyond the operands: nothing is allocated.
-//
-// Measured, default variant (H200, causal, Hq=16, Hkv=1, T=S, scale 1): 213 / 223 / 228 /
-// 240 / 244 TFLOP/s at S = 4K / 8K / 16K / 32K / 64K (XLA: 208 / 205 / 150 / - / -); BN=32 (the
-// A100 shared-memory variant) 193 at 16K. What bounds it, as far as measured: the same
-// kernel with the per-tile K/V copies removed (a timing-only experiment, wrong results)
-// ran 350 TFLOP/s at 16K, so ~1/3 of the time is the K/V feed: a 64-key tile brings
-// 128 KB from L2 for 8.4 MFLOP (64 FLOP/B: ~3.5 TB/s of L2->SM traffic at 228 TFLOP/s)
-// plus 128 KB of shared-memory writes, and with one buffer each for K and V every copy
-// has only one phase (S or PV) to land. Giving every copy a whole tile period to land
-// (the "narrow" variant) did not help (226 vs 231 TFLOP/s at 16K, one run each), so the
-// copies' latency is likely not what costs; the L2->SM traffic is the next suspect (to be
-// confirmed with ncu's L2 throughput). Even without copies the kernel runs at about
-// half of its shared-memory/MMA issue bounds (~4.3K / ~3.4K clk a tile): the phases are
-// serialized by block barriers and 8 warps (1 block/SM) hide little latency. Larger M
-// tiles do not fit (O is already 128 registers a thread). Next: the Hopper version (TMA
-// multicast of K/V to a 2-CTA cluster halves the L2 traffic, mbarrier pipelining, wgmma
-// reading Q/K/V from shared memory without the ldmatrix register round trip).
+// Masking and scheduling: a block's key tiles come from the device-side offsets
+// (common/key_tiles.cuh; never read on the host); tiles outside them are skipped, only tiles
+// that cross the causal diagonal, the window's far edge or their segment's end are masked
+// element-wise. Rows without a visible key end with l = 0 and write o = 0, lse = -inf.
+// blockIdx.x is reversed so that, in a causal sweep, the M tiles with the most key tiles
+// start first and the short ones fill the tail. Memory is O(1) beyond the operands.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <string_view>
 
 #include "common/attention_params.h"
 #include "common/key_tiles.cuh"
@@ -127,54 +102,12 @@ __device__ __forceinline__ void LoadKvTile(uint32_t dst, const __nv_bfloat16* ba
   }
 }
 
-// kPasses x kRowsPerPass rows of a K or V slice (the "narrow" variant's copies):
-// this thread copies 16 bytes of rows i * kRowsPerPass, i < kPasses, from `src` (its
-// chunk in the slice's first row) to `dst`. `rem` = s - (key of that first row): rows
-// at or past it are zero-filled from `fallback` (never read). Written as `i*step < rem`
-// so that no key index is formed that could pass INT32_MAX.
-template <int kPasses, int kRowsPerPass>
-__device__ __forceinline__ void CopyRows(uint32_t dst, const __nv_bfloat16* src,
-                                         const __nv_bfloat16* fallback, int key_stride,
-                                         int rem) {
-#pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    const bool valid = i * kRowsPerPass < rem;
-    const __nv_bfloat16* from =
-        valid ? src + static_cast<size_t>(i * kRowsPerPass) * key_stride : fallback;
-    px::cp_async_16(dst + i * kRowsPerPass * kRowBytes, from, valid);
-  }
-}
-
 // kSUnroll / kPvUnroll: unroll factors of the S (16 steps) and PV (BN/16 steps) loops;
 // at 255 registers they decide how far ptxas may hoist ldmatrix ahead of the MMAs.
 //
-// kNarrow selects how K and V reach shared memory (both variants compute the same thing):
-//   false (default): all 256 threads copy whole K / V tiles. V_j is issued at the top of
-//     tile j and must land before P_j V_j (one S phase to land); K_{j+1} is issued
-//     after the S reduction. 4 barriers a tile: block, block, pair, block.
-//   true ("narrow", opt-in): every copy is issued by exactly the warps that read it.
-//     * V: warp w reads only V[:, 64w:64w+64], so it copies those columns itself
-//       (8 KB for BN=64) right after its own P_j V_j, and waits for them (its own
-//       cp.async group + __syncwarp) before P_{j+1} V_{j+1}: a whole tile period to
-//       land instead of one S phase, and no block barrier waits on V.
-//     * K: the 4 warps with the same wn (both wm, both ks) are the only readers of
-//       keys [BN/2 wn, BN/2 wn + BN/2) and also the 2 reduction pairs of those keys,
-//       so one 128-thread named barrier per group both publishes the S partials and
-//       frees its K half; the group then issues its K_{j+1} half at once (a slow
-//       group no longer delays the other's copy), and at the next tile waits on it
-//       with the same kind of group barrier instead of __syncthreads.
-//     Barriers a tile: group(128), group(128), pair(64), block (P_j). Why the block
-//     barrier at the top can go: a warp writes P_{j+1} / alpha_{j+1} only after the
-//     pair barrier with its wn partner, which follows both partners' group barriers
-//     of tile j+1, which follow every one of the 8 warps' P_j V_j (the two groups
-//     cover all warps) -- so no warp still reads P_j / alpha_j. The other buffers
-//     (red, s_max) are rewritten only after the block barrier of the tile in which
-//     they were read.
-//   cp.async groups a thread commits, in order: [Q + K_lo], [V_lo], then per tile
-//   [K_{j+1} half] after S_j and [V_{j+1} cols] after P_j V_j (empty past the last
-//   tile), so wait_group 1 at the top of tile j leaves only V_j in flight and
-//   wait_group 1 before P_j V_j leaves only K_{j+1}.
-template <int BN, int kSUnroll, int kPvUnroll, bool kNarrow>
+// K and V reach shared memory through whole-tile copies by all 256 threads: V_j is issued at
+// the top of tile j and must land before P_j V_j; K_{j+1} is issued after the S reduction.
+template <int BN, int kSUnroll, int kPvUnroll>
 __global__ void __launch_bounds__(kThreads, 1)
     Flash512Kernel(const AttentionParams p, const int num_m_blocks) {
   using C = Flash512Config<BN>;
@@ -233,27 +166,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     tq[r] = pr < rows_total ? pr / G : p.t - 1;
   }
 
-  // "narrow" variant copy slices. K: thread gi (0..127) of group wn copies 16-byte chunk
-  // gi % 64 of rows gi / 64 + 2i of the group's BN/2 keys. V: lane copies chunk lane % 8
-  // of warp w's 128-byte column slice, rows lane / 8 + 4i.
-  const int gi = (2 * wm + ks) * 32 + lane;
-  const int k_row0 = kWarpKeys * wn + gi / 64;
-  const uint32_t k_dst = sK + k_row0 * kRowBytes + (gi % 64) * 16;
-  const __nv_bfloat16* k_src = k_base + static_cast<size_t>(k_row0) * key_stride + (gi % 64) * 8;
-  const int v_row0 = lane / 8;
-  const uint32_t v_dst = sV + v_row0 * kRowBytes + warp * 128 + (lane % 8) * 16;
-  const __nv_bfloat16* v_src =
-      v_base + static_cast<size_t>(v_row0) * key_stride + warp * 64 + (lane % 8) * 8;
-  // Issue (no commit) this group's K half / this warp's V columns of the tile at n0.
-  auto copy_k_half = [&](int n0) {
-    CopyRows<kWarpKeys / 2, 2>(k_dst, k_src + static_cast<size_t>(n0) * key_stride, k_base,
-                               key_stride, p.s - n0 - k_row0);
-  };
-  auto copy_v_cols = [&](int n0) {
-    CopyRows<BN / 4, 4>(v_dst, v_src + static_cast<size_t>(n0) * key_stride, v_base,
-                        key_stride, p.s - n0 - v_row0);
-  };
-
   float o[4][8][4];
 #pragma unroll
   for (int mt = 0; mt < 4; ++mt)
@@ -282,12 +194,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     LoadKvTile<BN>(sK, k_base, k_thread, key_stride, tile.n0(), p.s, tid);
   }
   px::cp_async_commit();
-  if constexpr (kNarrow) {
-    if (any_tile) copy_v_cols(tile.n0());
-    px::cp_async_commit();
-    px::cp_async_wait<1>();
-    __syncthreads();  // Q and K_lo (copied by all threads) visible to all
-  }
 
   // Per-lane ldmatrix addresses (byte offsets added per step are compile-time).
   const uint32_t a_addr = sQ + (32 * wm + (lane & 15)) * kRowBytes + (ks * 32 + (lane >> 4)) * 16;
@@ -297,22 +203,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t vb_addr = sV + ((lane & 7) + ((lane >> 3) & 1) * 8) * kRowBytes +
                            (8 * warp + (lane >> 4)) * 16;
 
-  for (bool first = true; tile.valid(); first = false) {
+  while (tile.valid()) {
     const int n0 = tile.n0();
     const int64_t kpos0 = tile.kpos0();  // position of key n0
     const int keys_left = tile.keys_left();
     tile.Advance();  // from here on, `tile` is the next tile (valid() if there is one)
-    if constexpr (kNarrow) {
-      if (!first) {
-        px::cp_async_wait<1>();  // this thread's part of K_j's half wn (V_j may fly on)
-        px::named_barrier_sync(5 + wn, 128);  // the group's K_j half visible to the group
-      }
-    } else {
-      px::cp_async_wait<0>();
-      __syncthreads();  // K_j (and Q) landed; every warp is done with V_{j-1} and P_{j-1}
-      LoadKvTile<BN>(sV, v_base, v_thread, key_stride, n0, p.s, tid);
-      px::cp_async_commit();
-    }
+    px::cp_async_wait<0>();
+    __syncthreads();  // K_j (and Q) landed; every warp is done with V_{j-1} and P_{j-1}
+    LoadKvTile<BN>(sV, v_base, v_thread, key_stride, n0, p.s, tid);
+    px::cp_async_commit();
 
     // ---- S partial: rows 32wm.., keys kWarpKeys*wn.., D half ks.
     float acc[2][kNT][4];
@@ -350,15 +249,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       send.w = ks ? acc[0][n][3] : acc[1][n][3];
       red[((1 - ks) * kNT + n) * 32 + lane] = send;
     }
-    if constexpr (kNarrow) {
-      // Partials visible within the group (its two reduction pairs); the group's 4
-      // warps, the only readers of K_j's half wn, are done with it.
-      px::named_barrier_sync(5 + wn, 128);
-      if (tile.valid()) copy_k_half(tile.n0());
-    } else {
-      __syncthreads();  // partials visible; every warp is done reading K_j
-      if (tile.valid()) LoadKvTile<BN>(sK, k_base, k_thread, key_stride, tile.n0(), p.s, tid);
-    }
+    __syncthreads();  // partials visible; every warp is done reading K_j
+    if (tile.valid()) LoadKvTile<BN>(sK, k_base, k_thread, key_stride, tile.n0(), p.s, tid);
     px::cp_async_commit();  // possibly empty: keeps the wait_group arithmetic uniform
 
     float s[kNT][4];
@@ -437,14 +329,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       s_alpha[sr[0]] = alpha[0];
       s_alpha[sr[1]] = alpha[1];
     }
-    if constexpr (!kNarrow) px::cp_async_wait<1>();  // V_j landed (K_{j+1} may still fly)
-    // P_j, alpha_j (and by default, V_j) visible to every warp; and whether any row's max
-    // moved (once the running maxima settle, usually none has: the O rescale is skipped).
+    px::cp_async_wait<1>();  // V_j landed (K_{j+1} may still fly)
+    // P_j, alpha_j and V_j visible to every warp; and whether any row's max moved (once the
+    // running maxima settle, usually none has: the O rescale is skipped).
     const int any_rescale = __syncthreads_or(alpha[0] != 1.f || alpha[1] != 1.f);
-    if constexpr (kNarrow) {
-      px::cp_async_wait<1>();  // this lane's V_j chunks landed (K_{j+1} may still fly)
-      __syncwarp();            // ... and the other lanes' (the warp reads only its own)
-    }
 
     // ---- O[:, 64w:64w+64] = alpha * O + P V.
     if (any_rescale) {
@@ -477,11 +365,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           px::mma_bf16_16816(o[mt][2 * np + 1], pa[mt], b1);
         }
       }
-    }
-    if constexpr (kNarrow) {
-      __syncwarp();  // every lane's ldmatrix of V_j columns done before they are refilled
-      if (tile.valid()) copy_v_cols(tile.n0());
-      px::cp_async_commit();
     }
   }
   px::cp_async_wait<0>();
@@ -540,10 +423,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-template <int BN, int kSUnroll, int kPvUnroll, bool kNarrow>
+template <int BN, int kSUnroll, int kPvUnroll>
 cudaError_t LaunchWithKeyTile(const AttentionParams& p, cudaStream_t stream) {
   constexpr int kSmem = Flash512Config<BN>::kSmemBytes;
-  cudaError_t err = cudaFuncSetAttribute(Flash512Kernel<BN, kSUnroll, kPvUnroll, kNarrow>,
+  cudaError_t err = cudaFuncSetAttribute(Flash512Kernel<BN, kSUnroll, kPvUnroll>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   const int64_t rows = static_cast<int64_t>(p.t) * (p.hq / p.hkv);
@@ -551,37 +434,9 @@ cudaError_t LaunchWithKeyTile(const AttentionParams& p, cudaStream_t stream) {
   if (num_m_blocks > INT32_MAX) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(num_m_blocks), static_cast<unsigned>(p.hkv),
                   static_cast<unsigned>(p.batch));
-  Flash512Kernel<BN, kSUnroll, kPvUnroll, kNarrow>
+  Flash512Kernel<BN, kSUnroll, kPvUnroll>
       <<<grid, kThreads, kSmem, stream>>>(p, static_cast<int>(num_m_blocks));
   return cudaGetLastError();
-}
-
-// Developer knob, read once per process: JAX_MILA_FLASH512_BLOCK_N=32 forces the
-// small-shared-memory (A100) variant, so that it can be tested on a Hopper part.
-int ForcedKeyTile() {
-  static const int v = [] {
-    const char* env = std::getenv("JAX_MILA_FLASH512_BLOCK_N");
-    return env != nullptr ? std::atoi(env) : 0;
-  }();
-  return v;
-}
-
-// Developer knob, read once per process: JAX_MILA_FLASH512_VARIANT=narrow runs the
-// per-warp V / per-group K copy variant. It measured no gain on the H200 (226 vs 231
-// TFLOP/s at S=16K, docs/performance.md), so the whole-tile copies stay the default and
-// the narrow variant stays for A/B timing against the next change.
-bool UseNarrowVariant() {
-  static const bool narrow = [] {
-    const char* env = std::getenv("JAX_MILA_FLASH512_VARIANT");
-    return env != nullptr && std::string_view(env) == "narrow";
-  }();
-  return narrow;
-}
-
-template <int BN, int kSUnroll, int kPvUnroll>
-cudaError_t LaunchVariant(const AttentionParams& p, cudaStream_t stream) {
-  return UseNarrowVariant() ? LaunchWithKeyTile<BN, kSUnroll, kPvUnroll, true>(p, stream)
-                            : LaunchWithKeyTile<BN, kSUnroll, kPvUnroll, false>(p, stream);
 }
 
 }  // namespace
@@ -594,12 +449,11 @@ cudaError_t LaunchFlashAttentionD512(const AttentionParams& p, cudaStream_t stre
   if (err != cudaSuccess) return err;
   // Hopper (227 KB): key tile 64. A100 (163 KB): key tile 32. Parts with ~99 KB per
   // block (sm_86 / sm_89) cannot hold the resident 64 KB Q tile plus K and V tiles.
-  if (max_smem >= Flash512Config<64>::kSmemBytes && ForcedKeyTile() != 32) {
-    // S loop fully unrolled, PV loop rolled: 254 registers, no spills (the S loop by 4
-    // with PV unrolled measured the same, 227 TFLOP/s at S=16K).
-    return LaunchVariant<64, 16, 1>(p, stream);
+  if (max_smem >= Flash512Config<64>::kSmemBytes) {
+    // S loop fully unrolled, PV loop rolled: 254 registers, no spills.
+    return LaunchWithKeyTile<64, 16, 1>(p, stream);
   }
-  if (max_smem >= Flash512Config<32>::kSmemBytes) return LaunchVariant<32, 16, 2>(p, stream);
+  if (max_smem >= Flash512Config<32>::kSmemBytes) return LaunchWithKeyTile<32, 16, 2>(p, stream);
   return cudaErrorInvalidConfiguration;
 }
 

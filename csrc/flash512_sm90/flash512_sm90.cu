@@ -1,144 +1,36 @@
-// FlashAttention prefill for head dim 512 on Hopper (sm_90a): wgmma, TMA, mbarriers and
-// warp specialisation, written with inline PTX (common/ptx_sm90.cuh). Same contract and results as
-// the portable mma.sync kernel (flash512/flash512.cu), which stays the oracle.
+// FlashAttention prefill for head dim 512 on Hopper (sm_90a): target *_d512_sm90. Same contract
+// and results as the portable mma.sync kernel (flash512/flash512.cu), which stays the oracle.
+// Design: docs/design/attention_sm90.md ("D = 512: split D, split softmax").
 //
-// Geometry (non-persistent; see "Not yet" below).
-//   * One CTA = 3 warpgroups (384 threads) per M tile of 64 packed rows (4 positions x 16
-//     query heads of one KV head, packed row r = t * G + g, as in flash512.cu), so every
-//     K/V tile is read once for all G heads. Grid (M tiles reversed: longest first, Hkv, B).
-//   * WG0 = producer (setmaxnreg.dec to 24): one thread issues every TMA copy. WG1, WG2 =
-//     consumers c = 0, 1 (setmaxnreg.inc to 240). (Cluster variant: 40 / 232.)
-//   * O = 64 x 512 fp32 does not fit one warpgroup (256 registers a thread), so the output
-//     columns are split: consumer c owns O[:, 256c : 256c+256] (128 fp32 a thread).
-//   * S = Q K^T (64 rows x 64 keys) has its D contraction split the same way: consumer c
-//     computes S_c over D[256c, 256c+256) (16 x wgmma m64n64k16, Q and K from shared memory
-//     through K-major descriptors), writes its 32 fp32 a thread to shared memory, and after
-//     a 256-thread named barrier adds the other's partial: S = S_c + S_{1-c}. fp32 addition
-//     commutes, so both consumers hold bit-identical S and compute bit-identical softmax
-//     statistics and P -- no second exchange is needed. Why not both computing the full S:
-//     that doubles the S FLOPs (+50% tensor work); the exchange costs 16 KB written and read
-//     per consumer per tile.
-//   * O_c += P V[:, 256c..] : 4 x wgmma m64n256k16 with P from registers (the S accumulator
-//     layout converted to the A-fragment layout in place, as in FA-3) and V from shared
-//     memory through an MN-major (transposed-B) descriptor.
-// Shared memory (1024-byte aligned): Q 64 KB (resident), K 64 KB, V 64 KB (one buffer each),
-// S exchange 2 x 16 KB (+1 KB for the split softmax's row maxima and sums), 5 mbarriers:
-// 225 KB + 40 B (+1 KB alignment slack).
-// Every 64 x 512 tile is 8 TMA boxes of 64 rows x 64 columns (128 bytes, the 128-byte
-// swizzle's row), box i at byte 8192 i: column block i holds D[64i, 64i+64).
-//   Q box: tensor map over q [B, T, Hq, 512] as 4-D {512, Hq, T, B}, box {64, G, 64/G, 1}
-//     at {64i, hG, m0/G, b}: the box's rows come out in packed-row order (t-major, then g).
-//     G must divide 64 (G = 1, 2, 4, 8, 16); positions >= T are zero-filled by TMA.
-//   K/V box: {512, Hkv, S, B}, box {64, 1, 64, 1} at {64i, h, n0, b}; keys >= S zero-filled.
-//   Descriptors: S = Q K^T reads A = Q and B = K K-major: k-step kk (16 of D) of consumer c
-//     starts at column block 4c + kk/4, +32 bytes per kk % 4 (inside the swizzled row),
-//     SBO 1024 (8 rows). P V reads B = V MN-major: k-step kk (16 keys) starts at key row 16kk
-//     (+2048 bytes) of column block 4c, SBO 1024 (next 8 keys), LBO 8192 (next 64 columns).
-//
-// Pipeline and barriers (phase parities count the tiles the CTA has visited, i = 0, 1, ...):
-//   q_full (count 1): producer arrive.expect_tx(64 KB) + 8 Q boxes, once. Consumers wait
-//     parity 0.
-//   k_full / v_full (count 1): producer arrive.expect_tx(64 KB) + 8 boxes of tile i;
-//     consumers wait parity i & 1 before the S (resp. PV) wgmmas of tile i.
-//   k_empty / v_empty (count 8: lane 0 of each consumer warp, after __syncwarp): a consumer
-//     warp arrives on k_empty after its S wgmmas retired (wait_group 0) AND after it read the
-//     other consumer's S partial (see below); on v_empty after its PV wgmmas retired. The
-//     producer waits parity (i-1) & 1 of k_empty (v_empty) before refilling K (V) with tile i.
-//   So K_{i+1} streams in during softmax_i + PV_i, V_{i+1} during S_{i+1} + softmax_{i+1}.
-//   The producer issues in the consumers' order (K_i, V_i, K_{i+1}, ...), so it never waits
-//   on a release that comes after one it is blocked behind.
-//   S exchange buffer red[c] (written by consumer c, read by 1-c), one per consumer: written
-//   at tile i+1 only after consumer c waited k_full of tile i+1, which completes after the
-//   producer saw k_empty of tile i, which consumer 1-c's warps arrive on only after reading
-//   red[c] of tile i; and directly by named barrier 2 + c (reader arrives after its read of
-//   tile i, writer syncs before its write of tile i+1). Within a tile, the named barrier (id 1,
-//   256 threads) orders both writes before both reads.
-//   wgmma register hazards: wgmma.fence before each batch (orders the preceding register
-//   writes: O rescale, P conversion); wait_group 0 then fence_operand on every accumulator /
-//   A register before any thread touches them. The producer never writes shared memory with
-//   generic stores, so no fence.proxy.async is needed for the operands; the mbarrier inits
-//   are fenced (fence.mbarrier_init + fence.proxy.async) before the CTA barrier that
-//   precedes the first TMA.
-//
-// Masking (same semantics as flash512.cu): the CTA's visible key range [n_lo, n_hi) comes from
-// the device-side offsets; only tiles in it are loaded. Tiles crossing the causal diagonal, the
-// window's far edge or S are masked element-wise to -inf. A row that never sees a key keeps
-// m = -inf (exp2 base 0, so P = 0 and alpha = 0), l = 0, and writes o = 0, lse = -inf; a CTA
-// with no tile at all skips the loop and writes the same. Rows past T (packed row >= T * G)
-// compute on zero-filled Q and are never written.
-// Who writes what: consumer c writes o[..., 256c : 256c+256] of its rows (bf16, 4-byte stores
-// straight from the accumulators); consumer 0's quad leaders write lse (both consumers hold
-// the same m and l).
-//
-// Cluster variant (opt-in, JAX_MILA_FLASH512_SM90_CLUSTER=2; kCluster = 2): the two CTAs of a
-// cluster take adjacent M tiles (2 pair, 2 pair + 1) and load the union of their key ranges
-// (computed identically in both from the pair's rows), so that each K/V tile leaves L2 once
-// for 128 rows: CTA rank r issues column blocks 4r..4r+3 with .multicast::cluster (mask 0b11)
-// into the same offsets of both CTAs. Per CTA: k_full / v_full still expect 64 KB and one
-// arrival (its own producer's): 32 KB come from each CTA's copies, and bytes that land before
-// the expect_tx only drive the tx-count negative while the arrival is still pending.
-// k_empty / v_empty count 16: every consumer warp of the cluster arrives on both CTAs'
-// barriers (the other's through mapa), because either producer overwrites the tile in both
-// CTAs. Waits and arrivals keep the CTA scope (CUTLASS's cluster pipelines do the same; at
-// cluster scope ptxas adds a MEMBAR.ALL.GPU before every arrival and an L1 invalidation after
-// every wait, which held the W4A8 cluster kernel at ~55% of its speed). No copy of tile i+1
-// can reach a CTA before that CTA's own full phase i completed (the other producer first waits
-// for this CTA's consumers' releases of tile i).
-// Each CTA masks with its own rows' positions (a tile beyond its own causal or window range is
-// fully masked; a CTA past the last M tile, when the count is odd, computes on zero-filled Q
-// and writes nothing). barrier.cluster at the start (the other CTA's barriers initialised
-// before any multicast or remote arrival) and at the end (no CTA exits while the other may
-// still arrive on its barriers).
-//
-// Split softmax (kSplit, the default; JAX_MILA_FLASH512_SM90_SOFTMAX=shared for the scheme
-// above): after the S wgmmas consumer c finishes S only for its key half (keys 32c..32c+31),
-// so each exponential is computed once per CTA instead of once per consumer: (A) it sends the
-// other key half of its D-half partial (8 KB) and adds the other's partial of its own half,
-// (B) the two consumers swap their halves' row maxima, (C) they swap their halves' P fragments
-// (thread ct of both holds the same rows and keys, so each exchange is a copy at index ct); l
-// is summed over both halves once, at the end. ncu (ninth round) put 15% of the consumers'
-// stall samples in the exchange and 15% in the softmax; the split made S=16K / 32K 8-11%
-// faster (docs/performance.md, tenth round). Each consumer runs its own template instance
-// (kHalf = c: the halves index registers), so the two meet at different barrier instructions,
-// which only the unaligned barrier.sync allows (bar.sync is .aligned: synccheck reported
-// "Divergent thread(s) in block").
-//
-// Tried and dropped (eleventh round, docs/performance.md): FA-3's overlap of tile i's softmax
-// with tile i-1's P V (S_i issued before P_{i-1} V_{i-1}, P V reading P from shared memory).
-// It ran 424-442 TFLOP/s against 494-502 in the serial order in the same call. Our reading,
-// an estimate that ncu has not confirmed: per tile the CTA moves ~370 KB through shared memory
-// (S's Q and K operands 128 KB, V 64 KB, the TMA writes of K and V 128 KB, the exchanges),
-// ~2,900 cycles at 128 B/cycle against 2,048 cycles of tensor work. In the serial order the
-// TMA writes fall in the softmax phases, when no wgmma reads shared memory; overlapped, every
-// stream competes at once, and K_{i+1} and V_i have one wgmma batch each to arrive in.
-//
-// Measured on the H200 (S=16K, docs/performance.md): 491-509 TFLOP/s with the split softmax in
-// serial order (474 before), tensor pipe 56% busy, issue slots 30%. The bound is the serial
-// chain per tile, not shared-memory bytes (eighteenth round: 80 instead of 128 KB of TMA writes
-// per tile, with K and V sharing a tile, changed nothing; ncu puts a third of each consumer's
-// time in the softmax and exchanges, when neither consumer has a wgmma in flight). Next step of
-// issue 7: FlashMLA's "seesaw" (each warpgroup computes S and the softmax of every other tile
-// and both add every P V into their O halves), which needs the shared K/V tile to fit two
-// tiles (branch rotary-keys). The 2-CTA multicast variant exists and is slower.
+// One CTA per M tile of 64 packed rows (longest first), one K and one V buffer of 64 keys x 512.
+// Producer (warpgroup 0): Q once, then K_i and V_i of every key tile i, each after the
+// consumers released tile i - 1 of that buffer. Consumer c (warpgroup 1 + c) owns O's columns
+// [256c, 256c + 256) and computes S over D half c; after S it finishes the softmax of key half
+// c only, in three exchanges with the other consumer through shared memory, each behind the
+// 256-thread barrier NamedBarrier::kConsumers:
+//   (A) the other key half of its S partial out, the other's partial of its half in;
+//   (B) the row maxima of each half;
+//   (C) the P fragments of each half.
+// fp32 addition and fmaxf commute, so both consumers hold the same maxima and alphas. The two
+// consumers run different template instances (kHalf = c indexes registers), so they meet at
+// different barrier instructions: every consumer barrier is the unaligned form.
 #include <cuda.h>  // CUtensorMap and its enums (the driver entry point is fetched at run time)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 #include <type_traits>
 
+#include "common/attention_epilogue.cuh"
 #include "common/attention_params.h"
-#include "common/cluster_launch.h"
+#include "common/attention_sm90.cuh"
+#include "common/attention_sm90_launch.h"
 #include "common/key_tiles.cuh"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
 #include "common/softmax_fragments.cuh"
-#include "common/tensor_map.h"
 #include "flash512_sm90/flash512_sm90.h"
-#include "flash512_sm90/flash512_sm90_common.h"
-#include "flash512_sm90/flash512_sm90_epilogue.cuh"
 
 namespace mila {
 namespace {
@@ -146,137 +38,92 @@ namespace {
 namespace px = ::mila::ptx;
 namespace hx = ::mila::ptx::sm90;
 namespace sf = ::mila::softmax_fragments;
-using namespace ::mila::flash512_sm90;  // geometry (flash512_sm90_common.h)
-
-constexpr int kOffQ = 0;
-constexpr int kOffK = kOffQ + kTileBytes;
-constexpr int kOffV = kOffK + kTileBytes;
-constexpr int kOffRed = kOffV + kTileBytes;              // float4 [2][8][128]
-// The split softmax's exchange buffers, in and after the red region (one scheme per launch):
-// per consumer c, S partials of the other's key half (float4 [4][128]) and P fragments of its
-// own key half (uint4 [2][128]) in the red region; row maxima (float [64]) and, at the end, row
-// sums (float [64]) after it.
-constexpr int kOffXs = kOffRed;                          // float4 [2][4][128]
-constexpr int kOffXp = kOffXs + 2 * 4 * 128 * 16;        // uint4 [2][2][128]
-constexpr int kOffXm = kOffRed + 2 * 8 * 128 * 16;       // float [2][64]
-constexpr int kOffXl = kOffXm + 2 * 64 * 4;              // float [2][64]
-constexpr int kOffBar = kOffXl + 2 * 64 * 4;             // 5 x uint64
-static_assert(kOffXp + 2 * 2 * 128 * 16 <= kOffXm, "exchange layout");
-constexpr int kSmemBytes = kOffBar + 5 * 8 + 1024;       // + slack to align the base
-static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory per block is 227 KB");
-// setmaxnreg targets per variant (ptxas allocates each role's code within its target): the
-// sum 128 x producer + 256 x consumer must stay 64,512 = 384 x 168 (the launch allocation).
-// kCluster 1: 24 / 240 (the consumers spill at 232); kCluster 2: 40 / 232 (its multicast
-// producer loop spills at 24).
-template <int kCluster>
-constexpr int kProducerRegs = kCluster == 1 ? 24 : 40;
-template <int kCluster>
-constexpr int kConsumerRegs = kCluster == 1 ? 240 : 232;
-
+namespace att = ::mila::attention_sm90;
+using att::kColBlockBytes;
+using att::NamedBarrier;
 using sf::NegInf;
 
-template <int kCluster, bool kSplit>
-__global__ void __launch_bounds__(kThreads, 1)
+struct KernelTraits : att::Traits<512, 64> {
+  // Shared memory from the 1024-byte aligned base; the tiles' offsets are multiples of 1024.
+  struct SharedStorage {
+    unsigned char q[kTileBytes];  // resident
+    unsigned char k[kTileBytes];
+    unsigned char v[kTileBytes];
+    // The softmax's exchanges, per consumer c (the writer): S partials of the other's key half
+    // (A), P fragments of its own key half (C); row maxima (B) and, at the end, row sums.
+    float4 xs[2][4][128];
+    uint4 xp[2][2][128];
+    float xm[2][64];
+    float xl[2][64];
+    uint64_t q_full, k_full, k_empty, v_full, v_empty;
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage) + kSmemAlign;
+  static_assert(kSmemBytes <= kMaxSmemBytes, "shared memory");
+};
+using T = KernelTraits;
+using Smem = T::SharedStorage;
+static_assert(offsetof(Smem, k) % T::kSmemAlign == 0 && offsetof(Smem, v) % T::kSmemAlign == 0,
+              "TMA boxes and wgmma operands of the 128-byte swizzle are 1024-byte aligned");
+constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN;
+
+__global__ void __launch_bounds__(T::kThreads, 1)
     Flash512Sm90Kernel(const __grid_constant__ CUtensorMap tm_q,
                        const __grid_constant__ CUtensorMap tm_k,
                        const __grid_constant__ CUtensorMap tm_v, const AttentionParams p,
                        const int num_m_blocks) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
   extern __shared__ unsigned char smem_raw[];
-  const uint32_t raw = px::smem_addr(smem_raw);
-  const uint32_t base = (raw + 1023u) & ~1023u;
-  unsigned char* smem = smem_raw + (base - raw);
-  const uint32_t sQ = base + kOffQ, sK = base + kOffK, sV = base + kOffV;
-  const uint32_t bar_q = base + kOffBar, bar_k_full = bar_q + 8, bar_k_empty = bar_q + 16;
-  const uint32_t bar_v_full = bar_q + 24, bar_v_empty = bar_q + 32;
+  const att::AlignedSmem smem = att::AlignSmem(smem_raw);
+  Smem& ss = *reinterpret_cast<Smem*>(smem.ptr);
+  const uint32_t sQ = smem.base + offsetof(Smem, q), sK = smem.base + offsetof(Smem, k);
+  const uint32_t sV = smem.base + offsetof(Smem, v);
+  const uint32_t bar_q = smem.base + offsetof(Smem, q_full);
+  const uint32_t bar_k_full = smem.base + offsetof(Smem, k_full);
+  const uint32_t bar_k_empty = smem.base + offsetof(Smem, k_empty);
+  const uint32_t bar_v_full = smem.base + offsetof(Smem, v_full);
+  const uint32_t bar_v_empty = smem.base + offsetof(Smem, v_empty);
 
   const int tid = threadIdx.x, wg = tid / 128;
   const int h = blockIdx.y, b = blockIdx.z;
   const int G = p.hq / p.hkv;
   const int rows_total = p.t * G;  // fits int32: the FFI handler checks it
   const int q_off = *p.q_offset;
-  // This CTA's M tile, and the first packed row of the span whose keys it loads: its own tile
-  // (kCluster 1), or the cluster's pair of adjacent tiles 2 pair, 2 pair + 1 (kCluster 2:
-  // both CTAs load the union of their key ranges, each half of every K/V tile, multicast).
-  // Longest first: blockIdx.x counts from the last M tile (pair) down.
-  uint32_t rank = 0;
-  int m_block, span_m0;
-  if constexpr (kCluster == 1) {
-    m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x);
-    span_m0 = m_block * kBlockM;
-  } else {
-    rank = hx::cluster_ctarank();
-    const int pair = static_cast<int>(gridDim.x / 2 - 1 - blockIdx.x / 2);
-    m_block = 2 * pair + static_cast<int>(rank);  // may be num_m_blocks: a CTA with no rows
-    span_m0 = 2 * pair * kBlockM;
-  }
+  const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x);  // longest first
   const int m0 = m_block * kBlockM;
 
-  // Positions of this CTA's rows (for masking) and of the span's (for the loaded key range);
-  // in int64, as in flash512.cu.
-  // (Only kCluster 2's last CTA can start past the last row: min() keeps its positions real.)
+  // Positions of this CTA's rows (int64: offsets and indices are int32 each).
   const int64_t qpos_min = static_cast<int64_t>(q_off) + min(p.t - 1, m0 / G);
   const int64_t qpos_max = static_cast<int64_t>(q_off) + min(p.t - 1, (m0 + kBlockM - 1) / G);
-  const int64_t span_qpos_min =
-      kCluster == 1 ? qpos_min : static_cast<int64_t>(q_off) + min(p.t - 1, span_m0 / G);
-  const int64_t span_qpos_max =
-      kCluster == 1 ? qpos_max
-                    : static_cast<int64_t>(q_off) +
-                          min(p.t - 1, (span_m0 + kCluster * kBlockM - 1) / G);
-  // The key tiles of the span, segment by segment (common/key_tiles.cuh); every role walks
-  // its own copy of this cursor, so all agree on tile i.
-  const KeyTileCursor<kBlockN> first_tile(p, span_qpos_min, span_qpos_max);
+  // The key tiles they see, segment by segment; every role walks its own copy of this cursor,
+  // so all agree on tile i.
+  const KeyTileCursor<kBlockN> first_tile(p, qpos_min, qpos_max);
 
   if (tid == 0) {
     hx::mbar_init(bar_q, 1);
     hx::mbar_init(bar_k_full, 1);
-    hx::mbar_init(bar_k_empty, 8 * kCluster);  // every consumer warp of the cluster
+    hx::mbar_init(bar_k_empty, 8);  // every consumer warp
     hx::mbar_init(bar_v_full, 1);
-    hx::mbar_init(bar_v_empty, 8 * kCluster);
+    hx::mbar_init(bar_v_empty, 8);
     hx::mbar_init_fence();
   }
-  // The last CTA-wide barrier (the roles split below); with a cluster, also: the other CTA's
-  // barriers are initialised before this CTA multicasts to them or arrives on them.
-  if constexpr (kCluster == 1) {
-    __syncthreads();
-  } else {
-    hx::cluster_sync();
-  }
+  __syncthreads();  // the last CTA-wide barrier (the roles split below)
 
   if (wg == 0) {
     // ---------------- producer ----------------
-    hx::setmaxnreg_dec<kProducerRegs<kCluster>>();
+    hx::setmaxnreg_dec<T::kProducerRegs>();
     if (tid == 0 && first_tile.valid()) {
       hx::tma_prefetch_desc(&tm_q);
       hx::tma_prefetch_desc(&tm_k);
       hx::tma_prefetch_desc(&tm_v);
-      hx::mbar_arrive_expect_tx(bar_q, kTileBytes);
-#pragma unroll
-      for (int cb = 0; cb < 8; ++cb)
-        hx::tma_load_4d(sQ + cb * kColBlockBytes, &tm_q, bar_q, cb * 64, h * G, m0 / G, b);
+      hx::mbar_arrive_expect_tx(bar_q, T::kTileBytes);
+      att::LoadColumnBlocks<T::kColBlocks>(sQ, &tm_q, bar_q, 0, h * G, m0 / G, b);
       // One K or V tile: wait until the consumers released the buffer's previous tile, then
-      // refill it. kCluster 1: all 8 column blocks into this CTA. kCluster 2: this CTA loads
-      // column blocks 4 rank .. 4 rank + 3 into both CTAs; each CTA's full barrier expects
-      // the whole tile (its own 4 boxes and the other CTA's 4), and the empty barriers count
-      // both CTAs' consumer warps (the tile is overwritten in both).
+      // refill it.
       auto load_tile = [&](int i, int n0, uint32_t empty, uint32_t full, uint32_t dst,
                            const CUtensorMap* map) {
-        if constexpr (kCluster == 1) {
-          if (i > 0) hx::mbar_wait(empty, (i - 1) & 1);
-          hx::mbar_arrive_expect_tx(full, kTileBytes);
-#pragma unroll
-          for (int cb = 0; cb < 8; ++cb)
-            hx::tma_load_4d(dst + cb * kColBlockBytes, map, full, cb * 64, h, n0, b);
-        } else {
-          if (i > 0) hx::mbar_wait(empty, (i - 1) & 1);
-          hx::mbar_arrive_expect_tx(full, kTileBytes);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int cb = 4 * static_cast<int>(rank) + j;
-            hx::tma_load_4d_multicast(dst + cb * kColBlockBytes, map, full, cb * 64, h, n0, b,
-                                      0x3);
-          }
-        }
+        if (i > 0) hx::mbar_wait(empty, (i - 1) & 1);
+        hx::mbar_arrive_expect_tx(full, T::kTileBytes);
+        att::LoadColumnBlocks<T::kColBlocks>(dst, map, full, 0, h, n0, b);
       };
       int i = 0;
       for (KeyTileCursor<kBlockN> tile = first_tile; tile.valid(); tile.Advance(), ++i) {
@@ -284,50 +131,31 @@ __global__ void __launch_bounds__(kThreads, 1)
         load_tile(i, tile.n0(), bar_v_empty, bar_v_full, sV, &tm_v);
       }
     }
-    // With a cluster, no CTA may exit while the other can still arrive on its barriers.
-    if constexpr (kCluster == 2) hx::cluster_sync();
     return;
   }
 
   // ---------------- consumers ----------------
-  hx::setmaxnreg_inc<kConsumerRegs<kCluster>>();
-  const int c = wg - 1;              // output columns [256c, 256c+256), D half c of S
-  const int ct = tid - 128 * wg;     // thread in the warpgroup
-  const int lane = ct & 31, wq = ct >> 5;
-  const int g = lane >> 2, t4 = lane & 3;
-  // Accumulator rows of this thread: rr[0] = 16 wq + g, rr[1] = rr[0] + 8.
-  int tq[2];
+  hx::setmaxnreg_inc<T::kConsumerRegs>();
+  const int c = wg - 1;  // output columns [256c, 256c+256), D half c of S, key half c of P
+  const att::FragmentThread ft(tid - 128 * wg);
+  const int ct = ft.ct, t4 = ft.t4, row = ft.row();
+  int tq[2];  // query indices of this thread's rows, row and row + 8
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int pr = m0 + 16 * wq + g + 8 * r;
-    tq[r] = pr < rows_total ? pr / G : p.t - 1;
-  }
-  // Empty-barrier arrivals: this CTA's, and (kCluster 2) the other CTA's as a cluster address.
-  // Both keep the CTA scope, as CUTLASS's cluster pipelines do (see the W4A8 kernel's
-  // kCluster notes): .release.cluster puts a MEMBAR.ALL.GPU before each arrival and
-  // .acquire.cluster an L1 invalidation after each wait.
-  const uint32_t k_empty_peer = kCluster == 1 ? 0u : hx::map_to_cta(bar_k_empty, rank ^ 1u);
-  const uint32_t v_empty_peer = kCluster == 1 ? 0u : hx::map_to_cta(bar_v_empty, rank ^ 1u);
-  auto release = [&](uint32_t own, uint32_t peer) {
-    __syncwarp();  // every lane of this warp is done with the buffer
-    if (lane == 0) {
-      hx::mbar_arrive(own);
-      if constexpr (kCluster == 2) hx::mbar_arrive_remote(peer);
-    }
-  };
-  float4* red_mine = reinterpret_cast<float4*>(smem + kOffRed) + c * (8 * 128);
-  const float4* red_other = reinterpret_cast<const float4*>(smem + kOffRed) + (1 - c) * (8 * 128);
+  for (int r = 0; r < 2; ++r) tq[r] = att::QueryIndex(m0 + row + 8 * r, rows_total, G, p.t);
+  const MaskedTiles<kBlockN> masked(qpos_min, qpos_max, p.causal, p.window);
+  const int consumers = BarrierId(NamedBarrier::kConsumers);
 
   // The consumer's main loop and epilogue, for key half kHalf (= c; a compile-time index into
-  // the accumulator registers, used by the split softmax only).
+  // the accumulator registers).
   auto consume = [&](auto half) {
-    [[maybe_unused]] constexpr int kHalf = decltype(half)::value;
+    constexpr int kHalf = decltype(half)::value;
+    constexpr int kOther = 1 - kHalf;
     float o[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
     float m_run[2] = {NegInf(), NegInf()};
-    float l_run[2] = {0.f, 0.f};  // kSplit: over this consumer's key halves only
-    const float scale_log2 = p.scale * kLog2e;
+    float l_run[2] = {0.f, 0.f};  // over this consumer's key halves only
+    const float scale_log2 = p.scale * T::kLog2e;
 
     if (first_tile.valid()) {
       const uint32_t q_half = sQ + 4 * c * kColBlockBytes;
@@ -348,16 +176,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       auto issue_s = [&](uint32_t parity) {
         hx::mbar_wait(bar_k_full, parity);
         // Opaque copies of the bases, so that the 32 descriptors below are computed per tile:
-        // loop-invariant, they may be hoisted out of the tile loop and hold 64 registers across
-        // it (the overlapped variant of this loop spilled 208 bytes from exactly that).
+        // loop-invariant, they could be hoisted out of the tile loop and hold 64 registers
+        // across it.
         uint32_t qh = q_half, kh = k_half;
         asm volatile("" : "+r"(qh), "+r"(kh));
+        const hx::DescSw128 dq(qh, 16, 1024), dk(kh, 16, 1024);
         hx::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 16; ++kk) {
           const uint32_t off = (kk >> 2) * kColBlockBytes + (kk & 3) * 32;
-          const uint64_t da = hx::desc_sw128(qh + off, 16, 1024);
-          const uint64_t db = hx::desc_sw128(kh + off, 16, 1024);
+          const uint64_t da = dq.at(off), db = dk.at(off);
           if (kk == 0) {
             hx::wgmma_m64n64k16_ss<false>(s, da, db);
           } else {
@@ -368,15 +196,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       };
       // After the wait_group that retires S: no read of s may move above it.
       auto s_retired = [&] { hx::fence_operands(s); };
-      // ---- O_c = O_c * alpha + P V[:, 256c : 256c+256] (v_full parity `parity`): issued and
-      // committed; the caller waits, then calls pv_retired.
-      auto rescale_o = [&](const float (&alpha)[2]) { sf::RescaleRows(o, alpha); };
       // P V's register operands, O and P, pinned: no access to them moves across this point.
       auto fence_pv_operands = [&] {
         hx::fence_operands(o);
         hx::fence_operands(pa);
       };
-      // The caller has rescaled O by the tile's alpha (rescale_o).
+      // ---- O_c += P V[:, 256c : 256c+256] (v_full parity `parity`), O already rescaled by the
+      // tile's alpha: issued and committed; the caller waits, then calls pv_retired.
       auto issue_pv = [&](uint32_t parity) {
         hx::mbar_wait(bar_v_full, parity);
         // The rescaled O and the P fragments are written before the fence that orders these
@@ -395,53 +221,28 @@ __global__ void __launch_bounds__(kThreads, 1)
       // registers nor touch O while the wgmmas run), and V's buffer is released.
       auto pv_retired = [&] {
         fence_pv_operands();
-        release(bar_v_empty, v_empty_peer);
+        att::ReleaseByWarp(bar_v_empty, ft.lane);
       };
 
-      // Accumulator element e holds row 16wq+g (+8 if bit 1 of e), key n0 + 8(e/4) + 2t4
-      // (+1 if bit 0 of e): -inf where that key is not visible to that row. The tile's first
-      // key sits at position kpos0; keys_left of its keys are in the buffer's segment.
-      auto need_mask = [&](int64_t kpos0, int keys_left) {
-        return (keys_left < kBlockN) || (p.causal && kpos0 + kBlockN - 1 > qpos_min) ||
-               (p.window > 0 && kpos0 + p.window <= qpos_max);
-      };
-      auto mask = [&](float& x, int e, int64_t kpos0, int keys_left) {
-        const int kofs = 8 * (e >> 2) + 2 * t4 + (e & 1);  // key - n0
-        const int64_t delta = static_cast<int64_t>(q_off) + tq[(e >> 1) & 1] - kpos0 - kofs;
-        const bool visible = kofs < keys_left && (!p.causal || delta >= 0) &&
-                             (p.window <= 0 || delta < p.window);
-        if (!visible) x = NegInf();
-      };
-
-      // ---- Split softmax: consumer c finishes S only for its key half (keys 32c.., the
-      // accumulator elements 16c..16c+15), so each exponential is computed once per CTA, not
-      // once per consumer, and half the partials cross shared memory. Three exchanges, each
-      // behind one 256-thread barrier (id 1): (A) the other half of this consumer's partial,
-      // (B) row maxima of each half, (C) each half's P fragments. Every buffer is rewritten
-      // one tile later only after the barrier that follows its reader's read (xs: read
-      // before B; xm: before C; xp: before the next A), which this writer has passed by
-      // then, so bar.sync alone orders every reuse. Thread ct of both consumers holds the
-      // same rows and key columns of the accumulator (and of P's A fragments), so every
-      // exchange is a plain copy at index ct.
-      // It leaves P's A fragments in pa: its own half from s, the other's from xp.
-      [[maybe_unused]] constexpr int kOther = 1 - kHalf;
-      [[maybe_unused]] float4* xs = reinterpret_cast<float4*>(smem + kOffXs);
-      [[maybe_unused]] uint4* xp = reinterpret_cast<uint4*>(smem + kOffXp);
-      [[maybe_unused]] float* xm = reinterpret_cast<float*>(smem + kOffXm);
-      auto pack_p = [&](int kk, uint32_t (&f)[4]) { sf::PackPFragment(s, kk, f); };
+      // ---- The softmax of key half kHalf (keys 32 kHalf.., accumulator elements 16 kHalf ..
+      // 16 kHalf + 15), exchanges (A), (B), (C) (see the top of the file). Every buffer is
+      // rewritten one tile later only after the barrier that follows its reader's read (xs: read
+      // before B; xm: before C; xp: before the next A), which this writer has passed by then,
+      // so the barrier alone orders every reuse. Thread ct of both consumers holds the same rows
+      // and key columns of the accumulator (and of P's A fragments), so every exchange is a
+      // plain copy at index ct. It leaves P's A fragments in pa: its own half from s, the
+      // other's from xp.
       auto split_softmax = [&](int64_t kpos0, int keys_left, float (&alpha)[2]) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int e = 16 * kOther + 4 * j;
-          xs[(kHalf * 4 + j) * 128 + ct] = make_float4(s[e], s[e + 1], s[e + 2], s[e + 3]);
+          ss.xs[kHalf][j][ct] = make_float4(s[e], s[e + 1], s[e + 2], s[e + 3]);
         }
-        // The two consumers run different instances of this code (kHalf), so they meet at
-        // different barrier instructions: every split-path barrier is the unaligned form.
-        px::named_barrier_sync_unaligned(1, 256);  // (A)
+        px::named_barrier_sync_unaligned(consumers, T::kConsumerThreads);  // (A)
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int e = 16 * kHalf + 4 * j;
-          const float4 v = xs[(kOther * 4 + j) * 128 + ct];
+          const float4 v = ss.xs[kOther][j][ct];
           s[e] += v.x;
           s[e + 1] += v.y;
           s[e + 2] += v.z;
@@ -449,61 +250,42 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
 #pragma unroll
         for (int e = 16 * kHalf; e < 16 * kHalf + 16; ++e) s[e] *= scale_log2;
-        if (need_mask(kpos0, keys_left)) {
-#pragma unroll
-          for (int e = 16 * kHalf; e < 16 * kHalf + 16; ++e) mask(s[e], e, kpos0, keys_left);
+        if (masked(kpos0, keys_left)) {
+          const int64_t dist[2] = {static_cast<int64_t>(q_off) + tq[0] - kpos0,
+                                   static_cast<int64_t>(q_off) + tq[1] - kpos0};
+          MaskTile<16 * kHalf, 16>(s, t4, dist, keys_left, p.causal, p.window);
         }
-        float mx[2] = {NegInf(), NegInf()};
+        float mx[2];
+        sf::ThreadRowMax<4 * kHalf, 4 * kHalf + 4>(s, mx);
 #pragma unroll
-        for (int j = 4 * kHalf; j < 4 * kHalf + 4; ++j) {
-          mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
-          mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-          mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        }
-        const int row = 16 * wq + g;  // and row + 8
+        for (int r = 0; r < 2; ++r) mx[r] = sf::QuadMax(mx[r]);
         if (t4 == 0) {
-          xm[kHalf * 64 + row] = mx[0];
-          xm[kHalf * 64 + row + 8] = mx[1];
+          ss.xm[kHalf][row] = mx[0];
+          ss.xm[kHalf][row + 8] = mx[1];
         }
-        px::named_barrier_sync_unaligned(1, 256);  // (B)
-        mx[0] = fmaxf(mx[0], xm[kOther * 64 + row]);
-        mx[1] = fmaxf(mx[1], xm[kOther * 64 + row + 8]);
-        // fmaxf is exact and commutative: both consumers hold the same maxima, bases and alphas.
-        float base_r[2], rowsum[2] = {0.f, 0.f};
+        px::named_barrier_sync_unaligned(consumers, T::kConsumerThreads);  // (B)
+        mx[0] = fmaxf(mx[0], ss.xm[kOther][row]);
+        mx[1] = fmaxf(mx[1], ss.xm[kOther][row + 8]);
+        float base_r[2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float m_new = fmaxf(m_run[r], mx[r]);
-          base_r[r] = m_new == NegInf() ? 0.f : m_new;  // all masked so far: exp2(-inf) = 0
-          alpha[r] = px::exp2_approx(m_run[r] - base_r[r]);
-          m_run[r] = m_new;
-        }
+        for (int r = 0; r < 2; ++r) base_r[r] = sf::UpdateRowMax(mx[r], m_run[r], alpha[r]);
+        sf::ExpAndSum<16 * kHalf, 16 * kHalf + 16>(s, base_r, alpha, l_run);
 #pragma unroll
-        for (int e = 16 * kHalf; e < 16 * kHalf + 16; ++e) {
-          s[e] = px::exp2_approx(s[e] - base_r[(e >> 1) & 1]);
-          rowsum[(e >> 1) & 1] += s[e];
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rowsum[r];
-#pragma unroll
-        for (int kk = 2 * kHalf; kk < 2 * kHalf + 2; ++kk) {
+        for (int j = 0; j < 2; ++j) {
           uint32_t f[4];
-          pack_p(kk, f);
-          xp[(kHalf * 2 + kk - 2 * kHalf) * 128 + ct] = make_uint4(f[0], f[1], f[2], f[3]);
+          sf::PackPFragment(s, 2 * kHalf + j, f);
+          ss.xp[kHalf][j][ct] = make_uint4(f[0], f[1], f[2], f[3]);
         }
-        px::named_barrier_sync_unaligned(1, 256);  // (C)
+        px::named_barrier_sync_unaligned(consumers, T::kConsumerThreads);  // (C)
 #pragma unroll
-        for (int kk = 2 * kHalf; kk < 2 * kHalf + 2; ++kk) pack_p(kk, pa[kk]);
+        for (int j = 0; j < 2; ++j) sf::PackPFragment(s, 2 * kHalf + j, pa[2 * kHalf + j]);
 #pragma unroll
-        for (int kk = 2 * kOther; kk < 2 * kOther + 2; ++kk) {
-          const uint4 v = xp[(kOther * 2 + kk - 2 * kOther) * 128 + ct];
-          pa[kk][0] = v.x;
-          pa[kk][1] = v.y;
-          pa[kk][2] = v.z;
-          pa[kk][3] = v.w;
+        for (int j = 0; j < 2; ++j) {
+          const uint4 v = ss.xp[kOther][j][ct];
+          pa[2 * kOther + j][0] = v.x;
+          pa[2 * kOther + j][1] = v.y;
+          pa[2 * kOther + j][2] = v.z;
+          pa[2 * kOther + j][3] = v.w;
         }
       };
 
@@ -516,169 +298,58 @@ __global__ void __launch_bounds__(kThreads, 1)
         issue_s(parity);
         hx::wgmma_wait<0>();
         s_retired();
+        att::ReleaseByWarp(bar_k_empty, ft.lane);  // this warp's S wgmmas retired: done with K_i
         float alpha[2];
-
-        if constexpr (!kSplit) {
-          // ---- Exchange the D-half partials: S = S_c + S_{1-c} (same bits in both
-          // consumers). red[c] is rewritten here (tile i >= 1) only after consumer 1-c read it
-          // at tile i-1: it arrived on named barrier 2 + c after that read, this warpgroup
-          // syncs on it now (128 + 128 threads). The mbarrier chain red read -> k_empty ->
-          // producer -> k_full -> this write orders the two as well, but through the producer
-          // thread, which compute-sanitizer racecheck does not follow (it reported the pair);
-          // the barrier costs no wait in practice, the other consumer arrived a whole tile
-          // earlier.
-          if (i > 0) px::named_barrier_sync(2 + c, 256);
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-            red_mine[j * 128 + ct] =
-                make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
-          px::named_barrier_sync(1, 256);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const float4 v = red_other[j * 128 + ct];
-            s[4 * j] += v.x;
-            s[4 * j + 1] += v.y;
-            s[4 * j + 2] += v.z;
-            s[4 * j + 3] += v.w;
-          }
-          // Done reading red[1-c]: its writer may refill it at the next tile (none after the
-          // last, so every phase of barriers 2 and 3 completes: n - 1 arrivals and n - 1 syncs
-          // each).
-          if (tile.valid()) hx::named_barrier_arrive(2 + (1 - c), 256);
-          // This warp is done with K_i (wgmmas retired) and with red[1-c] of tile i.
-          release(bar_k_empty, k_empty_peer);
-
-          // ---- Online softmax on rows 16wq+g (+8), keys n0 + 8j + 2t4 + {0,1}.
-#pragma unroll
-          for (int e = 0; e < 32; ++e) s[e] *= scale_log2;
-          if (need_mask(kpos0, keys_left)) {
-#pragma unroll
-            for (int e = 0; e < 32; ++e) mask(s[e], e, kpos0, keys_left);
-          }
-          // The steps of softmax_fragments.cuh's OnlineSoftmax, written out: calling it here
-          // changes ptxas's input (PTX not identical to the build the GPU tests and sanitizers
-          // passed), so the fold waits for a device run of this path.
-          float mx[2] = {NegInf(), NegInf()};
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
-            mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
-          }
-          float base_r[2], rowsum[2] = {0.f, 0.f};
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            const float m_new = fmaxf(m_run[r], mx[r]);
-            base_r[r] = m_new == NegInf() ? 0.f : m_new;  // all masked so far: exp2(-inf) = 0
-            alpha[r] = px::exp2_approx(m_run[r] - base_r[r]);
-            m_run[r] = m_new;
-          }
-#pragma unroll
-          for (int e = 0; e < 32; ++e) {
-            s[e] = px::exp2_approx(s[e] - base_r[(e >> 1) & 1]);
-            rowsum[(e >> 1) & 1] += s[e];
-          }
-#pragma unroll
-          for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rowsum[r];
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk) pack_p(kk, pa[kk]);
-        } else {
-          release(bar_k_empty, k_empty_peer);  // this warp's S wgmmas retired: done with K_i
-          split_softmax(kpos0, keys_left, alpha);
-        }
-
-        rescale_o(alpha);
+        split_softmax(kpos0, keys_left, alpha);
+        sf::RescaleRows(o, alpha);
         issue_pv(parity);
         hx::wgmma_wait<0>();
         pv_retired();
       }
     }
 
-    // ---- Epilogue: row sums over the quad (kSplit: and over both consumers' key halves), lse
-    // (consumer 0), O / l in bf16.
+    // ---- Epilogue: row sums over the quad and over both consumers' key halves (both take this
+    // path, tiles or not; xl is written once, after the last (C)), then O / l, and lse from
+    // consumer 0.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
       l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
     }
-    if constexpr (kSplit) {
-      // Both consumers take this path, tiles or not. xl is written once, after the last (C).
-      float* xl = reinterpret_cast<float*>(smem + kOffXl);
-      const int row = 16 * wq + g;
-      if (t4 == 0) {
-        xl[kHalf * 64 + row] = l_run[0];
-        xl[kHalf * 64 + row + 8] = l_run[1];
-      }
-      px::named_barrier_sync_unaligned(1, 256);
-      l_run[0] += xl[(1 - kHalf) * 64 + row];  // the same sum in both: fp32 + commutes
-      l_run[1] += xl[(1 - kHalf) * 64 + row + 8];
+    if (t4 == 0) {
+      ss.xl[kHalf][row] = l_run[0];
+      ss.xl[kHalf][row + 8] = l_run[1];
     }
-    StoreOutputRows(p, o, m_run, l_run, m0, 16 * wq + g, c, t4, G, rows_total, h, b);
+    px::named_barrier_sync_unaligned(consumers, T::kConsumerThreads);
+    l_run[0] += ss.xl[kOther][row];  // the same sum in both: fp32 + commutes
+    l_run[1] += ss.xl[kOther][row + 8];
+    att::StoreOutputRows<T::kD>(p, o, m_run, l_run, m0 + row, 256 * c, c == 0, t4, G,
+                                rows_total, h, b);
   };
-  if (kSplit && c == 1) {
+  if (c == 1) {
     consume(std::integral_constant<int, 1>{});
   } else {
     consume(std::integral_constant<int, 0>{});
   }
-  if constexpr (kCluster == 2) hx::cluster_sync();  // see the producer's
 #else
   __trap();  // built for sm_90a only; the launcher checks the device
 #endif
 }
 
-// Developer knob, read once per process: JAX_MILA_FLASH512_SM90_CLUSTER=2 runs the 2-CTA
-// cluster variant (adjacent M tiles share every K/V tile through TMA multicast: half the
-// L2->SM traffic). Default 1: the kernel is bound by its serial chain per tile, which multicast
-// does not reduce, and the pair's lock-step per tile costs more than the L2 traffic saved
-// (457 vs 513 TFLOP/s at S=16K, 460 vs 485 at 32K; docs/performance.md, seventeenth round).
-int ClusterSize() {
-  static const int v = [] {
-    const char* env = std::getenv("JAX_MILA_FLASH512_SM90_CLUSTER");
-    return env != nullptr && std::atoi(env) == 2 ? 2 : 1;
-  }();
-  return v;
-}
-
-// Developer knob, read once per process: JAX_MILA_FLASH512_SM90_SOFTMAX=shared computes the
-// whole tile's softmax in both consumers (the scheme before the split: one exchange of the
-// full partials, every exponential twice). The cluster variant always runs it.
-bool SplitSoftmax() {
-  static const bool v = [] {
-    const char* env = std::getenv("JAX_MILA_FLASH512_SM90_SOFTMAX");
-    return env == nullptr || std::string(env) != "shared";
-  }();
-  return v;
-}
-
-template <int kCluster, bool kSplit>
-cudaError_t LaunchKernel(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
-                         const AttentionParams& p, int num_m_blocks, cudaStream_t stream) {
-  auto* kernel = Flash512Sm90Kernel<kCluster, kSplit>;
-  if (const cudaError_t err = PrepareKernel(
-          kernel, kSmemBytes, kThreads, kProducerRegs<kCluster>, kConsumerRegs<kCluster>);
-      err != cudaSuccess) {
-    return err;
-  }
-  // kCluster 2: one cluster per pair of M tiles (an odd count leaves a CTA without rows).
-  const int grid_x = kCluster == 1 ? num_m_blocks : 2 * ((num_m_blocks + 1) / 2);
-  const ClusterLaunchConfig launch(
-      dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(p.hkv),
-           static_cast<unsigned>(p.batch)),
-      dim3(kThreads), kSmemBytes, stream, kCluster);
-  return cudaLaunchKernelEx(&launch.cfg, kernel, tm_q, tm_k, tm_v, p, num_m_blocks);
-}
-
 }  // namespace
 
 cudaError_t LaunchFlashAttentionD512Sm90(const AttentionParams& p, cudaStream_t stream) {
-  LaunchSetup l;
-  if (const cudaError_t err = PrepareLaunch(p, &l); err != cudaSuccess) return err;
-  if (ClusterSize() == 2) {
-    return LaunchKernel<2, false>(l.tm_q, l.tm_k, l.tm_v, p, l.num_m_blocks, stream);
+  att::LaunchSetup l;
+  if (const cudaError_t err = att::PrepareLaunch<T>(p, &l); err != cudaSuccess) return err;
+  if (const cudaError_t err = att::PrepareKernel<T>(Flash512Sm90Kernel, T::kSmemBytes);
+      err != cudaSuccess) {
+    return err;
   }
-  return SplitSoftmax() ? LaunchKernel<1, true>(l.tm_q, l.tm_k, l.tm_v, p, l.num_m_blocks, stream)
-                        : LaunchKernel<1, false>(l.tm_q, l.tm_k, l.tm_v, p, l.num_m_blocks, stream);
+  const dim3 grid(static_cast<unsigned>(l.num_m_blocks), static_cast<unsigned>(p.hkv),
+                  static_cast<unsigned>(p.batch));
+  Flash512Sm90Kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(l.tm_q, l.tm_k, l.tm_v, p,
+                                                                   l.num_m_blocks);
+  return cudaGetLastError();
 }
 
 }  // namespace mila
