@@ -14,6 +14,11 @@
 # MULTI entries run last with every GPU visible (multi-device runs):
 #   SIDE="scripts/fidelity.py --model 12b --tokens 8192" \
 #   MULTI="benchmarks/prefill.py --devices 2 --seqs 32768" bash scripts/gpu_round.sh
+# Before and after in one call: BASE names an older tree of the project (e.g. made with
+# `mkdir .base && git archive <rev> | tar -x -C .base`, carried to the GPU machine); it is built
+# in the background while the tests run (into $BASE_SITE), and every BENCHES entry runs for it
+# first (its own copy of the script, marked "base" in bench.log), then for this tree:
+#   BASE=.base BENCHES="benchmarks/attention.py" TESTS= SANITIZE= bash scripts/gpu_round.sh
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 export OUT=${OUT:-/tmp/jax_mila_out}; mkdir -p "$OUT"
@@ -45,6 +50,14 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
   # batch under a branch it cannot prove warp-uniform); shown, not just logged.
   grep -h "C75[0-9][0-9]" "$OUT/ptxas.txt" | sort -u | sed 's/^/   ptxas: /'
 fi
+BASE_SITE=${BASE_SITE:-/tmp/jax_mila_base_site}
+base_pid=
+if [ -n "${BASE:-}" ] && [ "${SKIP_BUILD:-0}" != 1 ]; then
+  step "building the base tree $BASE in the background"
+  (cd "$REPO/$BASE" && rm -rf "$BASE_SITE" && nice -n 10 python3 -m pip install --no-build-isolation \
+     --no-deps --target "$BASE_SITE" -Cbuild-dir=build/base .) > "$OUT/build_base.log" 2>&1 &
+  base_pid=$!
+fi
 
 cd /tmp  # import the installed package, not the source tree
 
@@ -59,16 +72,19 @@ fi
 # One entry of BENCHES / SIDE / MULTI: "[VAR=value ...] script.py args" (a script under the repo)
 # or "[VAR=value ...] pytest tests/... args", run under a timeout (a deadlocked kernel or a stuck
 # compile must not eat the round); its output is appended to the log named second.
-run_entry() {  # entry, log, timeout
-  local words envs=() cmd
+run_entry() {  # entry, log, timeout[, "base": the BASE tree's script on its own build]
+  local words envs=() cmd root=$REPO
   eval "words=($1)"  # shell words: quoted arguments (e.g. -k "a or b") stay whole
   while [[ ${words[0]} == *=* ]]; do envs+=("${words[0]}"); words=("${words[@]:1}"); done
-  echo "== ${envs[*]} ${words[*]}" >> "$2"
+  if [ "${4:-}" = base ]; then
+    root=$REPO/$BASE; envs+=("PYTHONPATH=$BASE_SITE")
+  fi
+  echo "== ${4:+[$4] }${envs[*]} ${words[*]}" >> "$2"
   if [ "${words[0]}" = pytest ]; then
     cmd=(python3 -m pytest -q -p no:cacheprovider -rfs "${words[@]:1}")
-    cmd=("${cmd[@]/#tests/$REPO/tests}")
+    cmd=("${cmd[@]/#tests/$root/tests}")
   else
-    cmd=(python3 "$REPO/${words[0]}" "${words[@]:1}")
+    cmd=(python3 "$root/${words[0]}" "${words[@]:1}")
   fi
   # stdin from /dev/null: the callers feed the entry list through stdin (while read).
   timeout "$3" env "${envs[@]}" "${cmd[@]}" < /dev/null >> "$2" 2>&1
@@ -120,11 +136,17 @@ fi
 step selftest
 python3 -c "import jax_mila; jax_mila.selftest()" 2>&1 | tee "$OUT/selftest.log"
 
+if [ -n "$base_pid" ]; then
+  step "waiting for the base build"
+  wait "$base_pid" || { echo "   base build failed:"; grep -E "error" "$OUT/build_base.log" | head -10; BASE=; }
+fi
 while read -r b; do
-  step "bench $b"
-  before=$(cat "$OUT/bench.log" 2>/dev/null | wc -l)
-  run_entry "$b" "$OUT/bench.log" "${BENCH_TIMEOUT:-300}"
-  tail -n +$((before + 1)) "$OUT/bench.log" | grep "^|"
+  for which in ${BASE:+base} current; do
+    step "bench ($which) $b"
+    before=$(cat "$OUT/bench.log" 2>/dev/null | wc -l)
+    run_entry "$b" "$OUT/bench.log" "${BENCH_TIMEOUT:-300}" "${which/current/}"
+    tail -n +$((before + 1)) "$OUT/bench.log" | grep "^|"
+  done
 done < <(entries "$BENCHES")
 
 # compute-sanitizer runs scripts/sanitize_kernels.py (odd-sized calls of every kernel, poisoned
