@@ -14,6 +14,8 @@
 # MULTI entries run last with every GPU visible (multi-device runs):
 #   SIDE="scripts/fidelity.py --model 12b --tokens 8192" \
 #   MULTI="benchmarks/prefill.py --devices 2 --seqs 32768" bash scripts/gpu_round.sh
+case "${1:-}" in -h|--help)  # the header above, without its "# "
+  sed -n '2,/^case /{/^case /d; s/^# \{0,1\}//; p}' "$0"; exit 0 ;; esac
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 export OUT=${OUT:-/tmp/jax_mila_out}; mkdir -p "$OUT"
@@ -80,7 +82,7 @@ run_entry() {  # entry, log, timeout
 # the command ends: compute-sanitizer and ncu that crash leave their Python child running,
 # which once went on compiling into the next steps' timings. SIGKILL, because JAX catches
 # SIGTERM (its preemption notifier): two orphans of a crashed sanitizer survived it and halved
-# the speed of the eighth round's first benchmark. setsid keeps the background PID.
+# the speed of a later benchmark. setsid keeps the background PID.
 in_own_group() {
   (cd /tmp; exec setsid "$@") < /dev/null &
   local pid=$!
@@ -154,7 +156,7 @@ sanitize() {  # tool, op group
       # two-GPU group runs as one process per GPU, joined by jax.distributed (a port per tool,
       # as the tools run side by side); each sanitizer sees its process's kernels.
       # With NCCL's defaults (P2P over NVLink, shared memory, cuMem buffers) both sanitized
-      # processes segfaulted in the first collective (seventh round); these route NCCL through
+      # processes segfaulted in the first collective; these route NCCL through
       # its socket transport and plain cudaMalloc buffers, and the Simple protocol (initcheck
       # flags the LL protocols' flag polling, which reads memory nobody wrote by design).
       export NCCL_P2P_DISABLE=${NCCL_P2P_DISABLE:-1} NCCL_SHM_DISABLE=${NCCL_SHM_DISABLE:-1}
@@ -174,7 +176,7 @@ sanitize() {  # tool, op group
   }
   # A run in which the tool itself died (a signal: 139 is its segfault; 124/137 a timeout) is
   # no verdict. The whole-model groups crash the tool at random points, seen in runs one at a
-  # time too (ninth round), so such a run is repeated up to SANITIZE_ATTEMPTS times in all; the
+  # time too, so such a run is repeated up to SANITIZE_ATTEMPTS times in all; the
   # crashed runs' logs stay beside the verdict as .crashedN.
   local rc attempt=1
   while :; do
