@@ -24,18 +24,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:
-    from jax_mila import ffi
-except ImportError:  # not installed: run from a source checkout (reference path only)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from jax_mila import ffi
+from jax_mila import ffi
 
 CONFIGS = {
     "d512": dict(d=512, hq=16, hkv=1, window=None, seqs=(4096, 8192, 16384, 32768, 65536),

@@ -17,11 +17,10 @@ mode, the W4A8 kernel promotes). NVML's energy counter was tried for energy per 
 over trials of 20-30 ms it advanced in steps that read 0 W to 2,100 W.
 
 GEMMs under SMALL_GEMM_FLOP (M = 1024 but gate+up) report a JAX path's device time: the kernels'
-durations in a jax.profiler trace (benchmarks/_bench.py), median of 5 runs of `--calls` calls.
+durations in a jax.profiler trace (jax_mila/bench/timing.py), median of 5 runs of `--calls` calls.
 Their wall time measures the host instead: one dispatch of a jitted call costs JAX tens of us,
 and a jitted program of 20 such GEMMs still spent ~500 us per execution outside its kernels
-(H200, 2026-12-02: o_proj_sliding, 28.9 us kernels back to back, 47-57 us per GEMM in wall
-time). The wall time stays in the JSON ("<path>_wall"). torch's path is timed with CUDA events
+(on an H200, o_proj_sliding: 28.9 us kernels back to back, 47-57 us per GEMM in wall time). The wall time stays in the JSON ("<path>_wall"). torch's path is timed with CUDA events
 around its calls either way (its dispatch, ~10 us, stays under the kernels' time).
 """
 
@@ -40,35 +39,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _bench import (GpuSampler, markdown_table, median_device_seconds_per_call,  # noqa: E402
-                    write_json)
-
 from jax_mila import ffi, quant  # noqa: E402
+from jax_mila.bench.gemm_paths import (SHAPES, XLA_FP8_HANGS_N, XLA_FP8_PRECISION,  # noqa: E402
+                                       fp8_rows, xla_fp8_scaled)
+from jax_mila.bench.timing import (GpuSampler, markdown_table,  # noqa: E402
+                                   median_device_seconds_per_call, write_json)
 
-# Gemma 4 12B: name -> (N, K) of y[M, N] = x[M, K] @ W[N, K]^T. No spaces in the names: they
-# are passed through --only and through scripts/gpu_round.sh's space-separated entries.
-SHAPES = {
-    "qkv": (8192, 3840),
-    "q+k_global": (8704, 3840),
-    "o_proj_sliding": (3840, 4096),
-    "o_proj_global": (3840, 8192),
-    "gate+up": (30720, 3840),
-    "down": (3840, 15360),
-    # The projections as jax_mila.gemma4 runs them (one call each; the fused names above are
-    # the issue's shapes): sliding layers' q and k / v, both layers' gate / up, global k.
-    "q_sliding": (4096, 3840),
-    "kv_sliding": (2048, 3840),
-    "gate": (15360, 3840),
-    "q_global": (8192, 3840),
-    "k_global": (512, 3840),
-}
 # anchors.md's XLA FP8 + scales at M=16384 (an older XLA; recorded in the JSON for reference:
 # the tables compare with the XLA of the same run).
 XLA_FP8_SCALED_ANCHOR = {"qkv": 697, "q+k_global": 740}
-# XLA's FP8 dot (jax 0.11.2, H200) never returned for these N at M=16384 (three runs, each cut
-# by a 200-300 s timeout): not timed, so the rest of the table still comes out.
-XLA_FP8_HANGS_N = {30720}
 TRIALS = 7  # timed trials per path; the median is reported
 # Below this many FLOP a JAX path reports device time (see the docstring).
 SMALL_GEMM_FLOP = 2e11
@@ -127,7 +106,7 @@ def _time_all(timers, trials, interleave):
     """{key: Timing} for {key: timer}, or an exception in place of the Timing for a timer that
     failed. One after another (each warmed up, then its trials), or with `interleave` every
     timer warmed up first and then one trial of each in turn: at the board's power limit the
-    clock drifts with its temperature over a run (docs/performance.md, fifteenth round), and
+    clock drifts with its temperature over a run (docs/performance.md), and
     taking turns exposes every path to the same drift instead of giving the first a cooler or a
     hotter board."""
     times = {key: [] for key in timers}
@@ -203,7 +182,7 @@ def _accumulation_errors(keys, xq, xs, wq, w8, ws):
                                       out_dtype=jnp.float32)
                 errors[key] = _relative_error(out[rows], ref_w4)
             elif key in XLA_FP8_PRECISION:
-                out = _xla_fp8_scaled(XLA_FP8_PRECISION[key], jnp.float32)(xq, xs, w8, ws)
+                out = xla_fp8_scaled(XLA_FP8_PRECISION[key], jnp.float32)(xq, xs, w8, ws)
                 errors[key] = _relative_error(out[rows], ref_w8)
             elif key == "torch_scaled_mm":
                 out = _torch_scaled_mm(xq, xs, w8, ws, out_dtype="float32")()
@@ -212,33 +191,6 @@ def _accumulation_errors(keys, xq, xs, wq, w8, ws):
             print(f"  accuracy of {key}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
             errors[key] = None
     return errors
-
-
-def _fp8_rows(w):
-    """Per-row float8_e4m3fn quantization of w [N, K] (for the XLA / cuBLASLt FP8 paths)."""
-    amax = jnp.maximum(jnp.max(jnp.abs(w), axis=1), 1e-30)
-    scale = amax / 448.0
-    return (w / scale[:, None]).astype(jnp.float8_e4m3fn), scale.astype(jnp.float32)
-
-
-def _xla_fp8_scaled(precision=None, out_dtype=jnp.bfloat16):
-    """XLA's FP8 dot with the row and column scales applied in XLA, jitted. precision None is
-    jnp's default, under which XLA:GPU lets cuBLASLt accumulate FP8 products in its fast,
-    reduced-precision mode (stream_executor's cuda_blas_lt: FP8 operands and DEFAULT precision);
-    DotAlgorithmPreset.ANY_F8_ANY_F8_F32 asks for float32 accumulation, the class of the W4A8
-    kernel's promoted sums and of torch._scaled_mm's default."""
-
-    @jax.jit
-    def fn(xq, xs, w8, ws):
-        acc = jax.lax.dot_general(xq, w8, (((1,), (1,)), ((), ())), precision=precision,
-                                  preferred_element_type=jnp.float32)
-        return (acc * xs[:, None] * ws[None, :]).astype(out_dtype)
-
-    return fn
-
-
-XLA_FP8_PRECISION = {"xla_fp8_scaled": None,
-                     "xla_fp8_f32acc": jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32}
 
 
 @jax.jit
@@ -277,8 +229,7 @@ def main() -> None:
                              f"{ACCURACY_ROWS} rows, against a float32 product)")
     args = parser.parse_args()
     extra = [v.lower() for v in args.shapes.split(",") if v]
-    for spec in extra:
-        SHAPES[spec] = tuple(int(d) for d in spec.split("x"))
+    shapes = {**SHAPES, **{spec: tuple(int(d) for d in spec.split("x")) for spec in extra}}
     sampler = GpuSampler()
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind}; {ffi.status('w4a8_matmul')}", flush=True)
@@ -301,13 +252,13 @@ def main() -> None:
     fmt = lambda v, spec=".0f": "-" if v is None else format(v, spec)  # noqa: E731
     for m in (int(v) for v in args.m.split(",")):
         for name in names:
-            n, k = SHAPES[name]
+            n, k = shapes[name]
             kx, kw = jax.random.split(jax.random.key(m + n + k))
             x = jax.random.normal(kx, (m, k), jnp.bfloat16)
             w = jax.random.normal(kw, (n, k), jnp.float32) / np.sqrt(k)
             xq, xs = jax.block_until_ready(ffi.quantize_activations(x))
             wq = quant.quantize_mxfp4(w, name=name)
-            w8, ws = _fp8_rows(w)
+            w8, ws = fp8_rows(w)
             wt16 = w.T.astype(jnp.bfloat16)
             flops = 2.0 * m * n * k
             rec = {"gemm": name, "N": n, "K": k, "M": m,
@@ -324,7 +275,7 @@ def main() -> None:
                 elif key == "xla_bf16":
                     timers[key] = _JaxTimer(_xla_bf16, (x, wt16), args.calls)
                 elif key in XLA_FP8_PRECISION:
-                    timers[key] = _JaxTimer(_xla_fp8_scaled(XLA_FP8_PRECISION[key]),
+                    timers[key] = _JaxTimer(xla_fp8_scaled(XLA_FP8_PRECISION[key]),
                                             (xq, xs, w8, ws), args.calls)
                 elif key == "torch_scaled_mm":
                     tfn = _torch_scaled_mm(xq, xs, w8, ws)

@@ -17,9 +17,7 @@ samples, 10 ms apart, are too coarse for bursts this short.)
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -27,12 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
-import gemm  # noqa: E402  (its shapes and XLA's scaled FP8 path)
-from _bench import markdown_table  # noqa: E402
-
-from jax_mila import ffi, quant  # noqa: E402
-from jax_mila.bench import trace as trace_lib  # noqa: E402
+from jax_mila import ffi, quant
+from jax_mila.bench import trace as trace_lib
+from jax_mila.bench.gemm_paths import (SHAPES, XLA_FP8_HANGS_N, XLA_FP8_PRECISION, fp8_rows,
+                                       xla_fp8_scaled)
+from jax_mila.bench.timing import markdown_table
 
 
 def _burst(fn, args, calls: int):
@@ -60,27 +57,28 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3, help="bursts per path; the median is shown")
     ap.add_argument("--time-hanging", action="store_true",
-                    help="time XLA's path also at N in gemm.XLA_FP8_HANGS_N (see gemm.py)")
+                    help=f"time XLA's path also at N in {sorted(XLA_FP8_HANGS_N)}, where it was "
+                         "seen not to return (run such an entry under a timeout)")
     args = ap.parse_args()
 
     rows = []
     for name in args.only.split(","):
-        n, k = gemm.SHAPES[name]
+        n, k = SHAPES[name]
         flops = 2.0 * args.m * n * k
         kx, kw = jax.random.split(jax.random.key(args.m + n + k))
         x = jax.random.normal(kx, (args.m, k), jnp.bfloat16)
         w = jax.random.normal(kw, (n, k), jnp.float32) / np.sqrt(k)
         xq, xs = jax.block_until_ready(ffi.quantize_activations(x))
         wq = quant.quantize_mxfp4(w, name=name)
-        w8, ws = gemm._fp8_rows(w)
+        w8, ws = fp8_rows(w)
         paths = {
             f"w4a8 {args.kernel}": (
                 jax.jit(lambda a, b, c: ffi.w4a8_matmul(a, b, c, kernel=args.kernel)),
                 (xq, xs, wq)),
         }
-        if n not in gemm.XLA_FP8_HANGS_N or args.time_hanging:
+        if n not in XLA_FP8_HANGS_N or args.time_hanging:
             paths["XLA FP8 + scales"] = (
-                gemm._xla_fp8_scaled(gemm.XLA_FP8_PRECISION["xla_fp8_scaled"]), (xq, xs, w8, ws))
+                xla_fp8_scaled(XLA_FP8_PRECISION["xla_fp8_scaled"]), (xq, xs, w8, ws))
         for fn, fargs in paths.values():
             for _ in range(3):
                 jax.block_until_ready(fn(*fargs))

@@ -20,19 +20,15 @@ the trace holds no device kernels: the device columns print "-".
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _bench import cell, markdown_table, tb_per_s, time_per_call, write_json  # noqa: E402
-
-from jax_mila import ffi  # noqa: E402
-from jax_mila.gemma4.config import RopeSpec  # noqa: E402
-from jax_mila.gemma4.rope import apply_rope, rope_tables  # noqa: E402
-from jax_mila.nn.norm import rms_norm  # noqa: E402
+from jax_mila import ffi
+from jax_mila.bench.timing import cell, markdown_table, tb_per_s, time_per_call, write_json
+from jax_mila.gemma4.config import RopeSpec
+from jax_mila.gemma4.rope import apply_rope, rope_tables
+from jax_mila.nn.norm import rms_norm
 
 HBM_BYTES_PER_S = 4.8e12
 EPS = 1e-6

@@ -8,16 +8,7 @@ package, also `python -m jax_mila bench prefill`); see its docstring or --help.
 
 from __future__ import annotations
 
-import os
-import sys
-
-try:
-    from jax_mila.bench import prefill
-except ImportError:  # not installed, or an older install: use this source checkout
-    for name in [m for m in sys.modules if m == "jax_mila" or m.startswith("jax_mila.")]:
-        del sys.modules[name]
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from jax_mila.bench import prefill
+from jax_mila.bench import prefill
 
 if __name__ == "__main__":
     prefill.main()

@@ -29,18 +29,14 @@ the difference. On a CPU the trace holds no device kernels: the device columns p
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _bench import cell, markdown_table, tb_per_s, time_per_call, write_json  # noqa: E402
-
-from jax_mila import ffi, reference  # noqa: E402
-from jax_mila.gemma4.mlp import gelu_tanh  # noqa: E402
-from jax_mila.nn.norm import rms_norm  # noqa: E402
+from jax_mila import ffi, reference
+from jax_mila.bench.timing import cell, markdown_table, tb_per_s, time_per_call, write_json
+from jax_mila.gemma4.mlp import gelu_tanh
+from jax_mila.nn.norm import rms_norm
 
 HBM_BYTES_PER_S = 4.8e12
 

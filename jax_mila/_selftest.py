@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mila import ffi, reference
+from jax_mila.reference import bounds
 
 
 @dataclasses.dataclass
@@ -47,20 +48,16 @@ def _check_quantize() -> str | None:
 
 
 def _check_quantize_geglu() -> str | None:
-    from jax_mila import testing
-
     k1, k2 = jax.random.split(_fresh_key())
     gate = (jax.random.normal(k1, (97, 2816), jnp.float32) * 2).at[5].set(0).astype(jnp.bfloat16)
     up = jax.random.normal(k2, (97, 2816), jnp.float32).astype(jnp.bfloat16)
     q, s = jax.jit(ffi.quantize_geglu)(gate, up)
     # Against the interval oracle (every code and scale admissible), not against the reference:
     # the kernel's tanh and XLA's differ within the oracle's bound.
-    return testing.geglu_quantization_problem(gate, up, q, s)
+    return bounds.geglu_quantization_problem(gate, up, q, s)
 
 
 def _check_add_rms_norm_quantize() -> str | None:
-    from jax_mila import testing
-
     k1, k2, k3 = jax.random.split(_fresh_key(), 3)
     x = (jax.random.normal(k1, (97, 2816), jnp.float32) * 3).astype(jnp.bfloat16)
     branch = jax.random.normal(k2, (97, 2816), jnp.float32).at[5].set(0).astype(jnp.bfloat16)
@@ -69,16 +66,14 @@ def _check_add_rms_norm_quantize() -> str | None:
     got = jax.jit(lambda x, b: ffi.add_rms_norm_quantize(x, b, **kw))(x, branch)
     # Against the interval oracle, like quantize_geglu: the kernel's sums of squares run in
     # another order than XLA's.
-    problem = testing.add_rms_norm_quantization_problem(x, branch, got, **kw)
+    problem = bounds.add_rms_norm_quantization_problem(x, branch, got, **kw)
     if problem is None:
         got = jax.jit(lambda x: ffi.add_rms_norm_quantize(x, norm_weight=wn, eps=1e-6))(x)
-        problem = testing.add_rms_norm_quantization_problem(x, None, got, **kw)
+        problem = bounds.add_rms_norm_quantization_problem(x, None, got, **kw)
     return problem
 
 
 def _check_rms_norm_rope() -> str | None:
-    from jax_mila import testing
-
     for shape in ((97, 16, 256), (2, 33, 3, 512)):
         k1, k2, k3 = jax.random.split(_fresh_key(), 3)
         x = (jax.random.normal(k1, shape, jnp.float32) * 3).astype(jnp.bfloat16)
@@ -88,7 +83,7 @@ def _check_rms_norm_rope() -> str | None:
         cos, sin = cos.astype(jnp.bfloat16), sin.astype(jnp.bfloat16)
         got = jax.jit(lambda *a: ffi.rms_norm_rope(*a, eps=1e-6))(x, w, cos, sin)
         # Against the interval oracle: the kernel's sums of squares run in another order.
-        problem = testing.norm_rope_problem(x, w, cos, sin, got, eps=1e-6)
+        problem = bounds.norm_rope_problem(x, w, cos, sin, got, eps=1e-6)
         if problem is not None:
             return f"{list(shape)}: {problem}"
     return None

@@ -8,6 +8,8 @@
 #
 # TESTS are pytest arguments quoted as in a shell; SANITIZE_OPS picks op groups of
 # scripts/sanitize_kernels.py; BENCH may hold several benchmark commands separated by ';'.
+case "${1:-}" in -h|--help)  # the header above, without its "# "
+  sed -n '2,/^case /{/^case /d; s/^# \{0,1\}//; p}' "$0"; exit 0 ;; esac
 set -uo pipefail
 export JAX_MILA_CUDA_ARCHS=${JAX_MILA_CUDA_ARCHS:-90a}
 export SANITIZE=${SANITIZE:-}

@@ -19,6 +19,8 @@
 # in the background while the tests run (into $BASE_SITE), and every BENCHES entry runs for it
 # first (its own copy of the script, marked "base" in bench.log), then for this tree:
 #   BASE=.base BENCHES="benchmarks/attention.py" TESTS= SANITIZE= bash scripts/gpu_round.sh
+case "${1:-}" in -h|--help)  # the header above, without its "# "
+  sed -n '2,/^case /{/^case /d; s/^# \{0,1\}//; p}' "$0"; exit 0 ;; esac
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 export OUT=${OUT:-/tmp/jax_mila_out}; mkdir -p "$OUT"
@@ -27,7 +29,7 @@ export JAX_MILA_KERNELS=${JAX_MILA_KERNELS:-}  # empty: every family the archs c
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 TESTS=${TESTS-tests}  # set but empty: no tests
 SANITIZE=${SANITIZE-memcheck initcheck racecheck}  # set but empty: none
-SANITIZE_OPS=${SANITIZE_OPS:-quantize norm_rope d256 d256_mma d512 d512_mma w4a8 moe}  # one process per word; "d256,d512": both in one
+SANITIZE_OPS=${SANITIZE_OPS:-quantize norm_rope d256 d256_mma d512 d512_rotary d512_mma w4a8 moe}  # one process per word; "d256,d512": both in one
 # Extra compute-sanitizer options for every tool, e.g. "--show-backtrace device": a whole-model
 # process crashed the tool itself (its front end), with nothing of ours reported.
 SANITIZE_FLAGS=${SANITIZE_FLAGS:-}
@@ -96,7 +98,7 @@ run_entry() {  # entry, log, timeout[, "base": the BASE tree's script on its own
 # the command ends: compute-sanitizer and ncu that crash leave their Python child running,
 # which once went on compiling into the next steps' timings. SIGKILL, because JAX catches
 # SIGTERM (its preemption notifier): two orphans of a crashed sanitizer survived it and halved
-# the speed of the eighth round's first benchmark. setsid keeps the background PID.
+# the speed of a later benchmark. setsid keeps the background PID.
 in_own_group() {
   (cd /tmp; exec setsid "$@") < /dev/null &
   local pid=$!
@@ -176,7 +178,7 @@ sanitize() {  # tool, op group
       # two-GPU group runs as one process per GPU, joined by jax.distributed (a port per tool,
       # as the tools run side by side); each sanitizer sees its process's kernels.
       # With NCCL's defaults (P2P over NVLink, shared memory, cuMem buffers) both sanitized
-      # processes segfaulted in the first collective (seventh round); these route NCCL through
+      # processes segfaulted in the first collective; these route NCCL through
       # its socket transport and plain cudaMalloc buffers, and the Simple protocol (initcheck
       # flags the LL protocols' flag polling, which reads memory nobody wrote by design).
       export NCCL_P2P_DISABLE=${NCCL_P2P_DISABLE:-1} NCCL_SHM_DISABLE=${NCCL_SHM_DISABLE:-1}
@@ -196,7 +198,7 @@ sanitize() {  # tool, op group
   }
   # A run in which the tool itself died (a signal: 139 is its segfault; 124/137 a timeout) is
   # no verdict. The whole-model groups crash the tool at random points, seen in runs one at a
-  # time too (ninth round), so such a run is repeated up to SANITIZE_ATTEMPTS times in all; the
+  # time too, so such a run is repeated up to SANITIZE_ATTEMPTS times in all; the
   # crashed runs' logs stay beside the verdict as .crashedN.
   local rc attempt=1
   while :; do

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mila import ffi, quant, reference, testing
+from jax_mila import ffi, quant, reference
+from jax_mila.reference import bounds
 
 RNG = np.random.default_rng()
 
@@ -42,6 +43,15 @@ def _on_cpu(fn, *args, **kwargs):
         return fn(*jax.device_put(args, cpu), **kwargs)
 
 
+def _capability():
+    """(major, minor) of the first CUDA device, or None without one."""
+    try:
+        device = jax.devices("cuda")[0]
+    except RuntimeError:
+        return None
+    return tuple(int(v) for v in str(device.compute_capability).split("."))
+
+
 def _bf16(shape, scale=1.0):
     return jnp.asarray((RNG.standard_normal(shape) * scale).astype(np.float32)).astype(jnp.bfloat16)
 
@@ -49,7 +59,7 @@ def _bf16(shape, scale=1.0):
 def check_quantize():
     for shape in ((1, 16), (97, 2816), (3, 5, 48)):
         x = _bf16(shape, 3.0).reshape(-1, shape[-1]).at[0].set(0).reshape(shape)
-        q, s = testing.call_with_poisoned_outputs(ffi.quantize_activations, x)
+        q, s = bounds.call_with_poisoned_outputs(ffi.quantize_activations, x)
         q_ref, s_ref = _on_cpu(reference.quantize_activations, x)
         np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
         d = np.abs(np.asarray(q, np.float32) - np.asarray(q_ref, np.float32))
@@ -57,24 +67,24 @@ def check_quantize():
         yield f"quantize {shape}"
     # The fused GEGLU quantizer: the same shapes, each of its block / register-cache buckets
     # (K = 21504: 512 threads x 6 chunks; 32768: 512 x 8) and an uncached row, held against
-    # the interval oracle (jax_mila.testing.geglu_quantization_problem).
+    # the interval oracle (jax_mila.reference.bounds.geglu_quantization_problem).
     for shape in ((1, 16), (97, 2816), (3, 5, 48), (7, 15360), (7, 21504), (3, 32768),
                   (5, 40000)):
         gate = _bf16(shape, 2.0).reshape(-1, shape[-1]).at[-1].set(0).reshape(shape)
         up = _bf16(shape)
-        got = testing.call_with_poisoned_outputs(ffi.quantize_geglu, gate, up)
-        problem = testing.geglu_quantization_problem(gate, up, *got)
+        got = bounds.call_with_poisoned_outputs(ffi.quantize_geglu, gate, up)
+        problem = bounds.geglu_quantization_problem(gate, up, *got)
         assert problem is None, (shape, problem)
         yield f"quantize_geglu {shape}"
     # The fused norms, with and without a branch: each launch configuration (one warp or a pair
     # per row, 1 to 16 chunks a lane up to K = 8192, the uncached kernel beyond), more rows than
     # the grid (the groups stride over rows; the pairs' shared exchange reused per row), zero rows;
-    # held against jax_mila.testing.add_rms_norm_quantization_problem. Only the kernel: the
+    # held against jax_mila.reference.bounds.add_rms_norm_quantization_problem. Only the kernel: the
     # reference under jit is the unfused layers' expression as XLA computes it, which may keep h
     # in float32 for the second norm (jax_mila/reference/quantize.py) where the oracle wants it
     # rounded.
     st = ffi.status("add_rms_norm_quantize")
-    if not (testing.has_cuda() and st.kernel):
+    if not (_capability() and st.kernel):
         yield f"add_rms_norm_quantize: skipped, no kernel here ({st.reason})"
         return
     for shape in ((1, 16), (3, 5, 48), (9, 512), (9, 1024), (97, 2816), (9, 2048), (9, 2064),
@@ -90,14 +100,14 @@ def check_quantize():
         wb = jnp.asarray(RNG.uniform(-1, 3, k).astype(np.float32)).astype(jnp.bfloat16)
         wn = jnp.asarray(RNG.uniform(-1, 3, k).astype(np.float32))
         kw = dict(branch_weight=wb, norm_weight=wn, eps=1e-6)
-        got = testing.call_with_poisoned_outputs(
+        got = bounds.call_with_poisoned_outputs(
             lambda x, b, wb, wn: ffi.add_rms_norm_quantize(x, b, branch_weight=wb, norm_weight=wn,
                                                            eps=1e-6), x, branch, wb, wn)
-        problem = testing.add_rms_norm_quantization_problem(x, branch, got, **kw)
+        problem = bounds.add_rms_norm_quantization_problem(x, branch, got, **kw)
         assert problem is None, (shape, problem)
-        got = testing.call_with_poisoned_outputs(
+        got = bounds.call_with_poisoned_outputs(
             lambda x, wn: ffi.add_rms_norm_quantize(x, norm_weight=wn, eps=1e-6), x, wn)
-        problem = testing.add_rms_norm_quantization_problem(x, None, got, **kw)
+        problem = bounds.add_rms_norm_quantization_problem(x, None, got, **kw)
         assert problem is None, (shape, "no branch", problem)
         yield f"add_rms_norm_quantize {shape}"
 
@@ -105,9 +115,9 @@ def check_quantize():
 def check_norm_rope():
     """The fused q/k norm + RoPE: both head dims, T = 1 and odd, H = 1 and odd, leading batch
     dims, partial last blocks (16 rows a block at D = 256, 8 at D = 512), a zero row and rows of
-    magnitude 1e4, held against jax_mila.testing.norm_rope_problem (numpy, on the host)."""
+    magnitude 1e4, held against jax_mila.reference.bounds.norm_rope_problem (numpy, on the host)."""
     st = ffi.status("rms_norm_rope")
-    if not (testing.has_cuda() and st.kernel):
+    if not (_capability() and st.kernel):
         yield f"rms_norm_rope: skipped, no kernel here ({st.reason})"
         return
     for shape in ((1, 1, 256), (1, 1, 512), (97, 1, 256), (97, 8, 512), (97, 16, 256),
@@ -119,9 +129,9 @@ def check_norm_rope():
         w = jnp.asarray(RNG.uniform(-1, 3, d).astype(np.float32))
         cos = jnp.asarray(RNG.uniform(-1, 1, (t, d)).astype(np.float32)).astype(jnp.bfloat16)
         sin = jnp.asarray(RNG.uniform(-1, 1, (t, d)).astype(np.float32)).astype(jnp.bfloat16)
-        got = testing.call_with_poisoned_outputs(
+        got = bounds.call_with_poisoned_outputs(
             lambda x, w, c, s: ffi.rms_norm_rope(x, w, c, s, eps=1e-6), x, w, cos, sin)
-        problem = testing.norm_rope_problem(x, w, cos, sin, got, eps=1e-6)
+        problem = bounds.norm_rope_problem(x, w, cos, sin, got, eps=1e-6)
         assert problem is None, (shape, problem)
         yield f"rms_norm_rope {shape}"
 
@@ -147,12 +157,12 @@ def check_attention(d, rotary_keys_only=None):
         q, k, v = _bf16((b, t, hq, d)), _bf16((b, s, hkv, d)), _bf16((b, s, hkv, d))
         kw = dict(causal=causal, window=window, return_lse=True, rotary_keys_only=rotary_keys_only)
         fn = lambda q, k, v, a, c: ffi.flash_attention(q, k, v, q_offset=a, kv_offset=c, **kw)  # noqa: E731
-        o, lse = testing.call_with_poisoned_outputs(fn, q, k, v, jnp.int32(qo),
-                                                    jnp.asarray(ko, jnp.int32))
+        o, lse = bounds.call_with_poisoned_outputs(fn, q, k, v, jnp.int32(qo),
+                                                   jnp.asarray(ko, jnp.int32))
         f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
         ro, rl = _on_cpu(lambda q, k, v: reference.flash_attention(
             f32(q), f32(k), f32(v), q_offset=qo, kv_offset=ko, **kw), q, k, v)
-        err = testing.max_abs_err(o, ro)
+        err = bounds.max_abs_err(o, ro)
         assert err < 0.05, (d, b, t, s, err)
         np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(np.asarray(rl)))
         yield (f"attention d{d} B{b} T{t} S{s} {hq}/{hkv} window={window} offsets={qo},{ko}"
@@ -160,7 +170,7 @@ def check_attention(d, rotary_keys_only=None):
 
 
 def check_w4a8():
-    hopper = testing.has_cuda() and testing.compute_capability() >= (9, 0)
+    hopper = (_capability() or (0, 0)) >= (9, 0)
     kernels = (["mma_sync", "wgmma_ws", "wgmma_ws_e4m3"] if hopper else []) + ["auto"]
     # (1100, 4104, 384) has more output tiles than an H100/H200 has SMs: persistent CTAs of
     # wgmma_ws run a second tile, whose row scales are staged while the first tile's epilogue
@@ -184,7 +194,7 @@ def check_w4a8():
             for out_dtype in (jnp.float32, jnp.bfloat16):
                 name = f"w4a8 {kern} {m}x{n}x{k} {jnp.dtype(out_dtype).name}"
                 print(f"...  {name}", flush=True)  # where a sanitizer crash happened
-                got = testing.call_with_poisoned_outputs(
+                got = bounds.call_with_poisoned_outputs(
                     lambda a, b, c, kern=kern, dt=out_dtype: ffi.w4a8_matmul(
                         a, b, c, out_dtype=dt, kernel=kern), xq, xs, wq)
                 _check_w4a8_error(got, want, ffi.w4a8.auto_kernel(m) if kern == "auto" else kern,
@@ -194,7 +204,7 @@ def check_w4a8():
 
 def _check_w4a8_error(got, want, resolved, out_dtype, what):
     # wgmma: FP8 accumulation, ~1e-4 (jax_mila/ffi/w4a8.py); bf16 output adds its rounding.
-    err = testing.rel_fro_err(got.astype(jnp.float32), want)
+    err = bounds.rel_fro_err(got.astype(jnp.float32), want)
     bound = (4e-4 if resolved.startswith("wgmma") else 1e-4) + (
         4e-3 if out_dtype == jnp.bfloat16 else 0.0)
     assert err < bound, (what, jnp.dtype(out_dtype).name, err)
@@ -204,7 +214,7 @@ def check_grouped_w4a8():
     """The grouped (mixture-of-experts) GEMM: empty experts, groups that are no tile multiple,
     one expert with every row, rows past the groups (zero-filled), K stored padded, a persistent
     grid walking more tiles than SMs, and the 26B's shapes."""
-    hopper = testing.has_cuda() and testing.compute_capability() >= (9, 0)
+    hopper = (_capability() or (0, 0)) >= (9, 0)
     kernels = (["mma_sync", "wgmma_ws"] if hopper else []) + ["auto"]
     cases = (((97,), 136, 256, None), ((5, 0, 300, 1, 0, 64), 264, 704, None),
              ((0, 0, 513), 128, 384, 600), ((40,) * 24, 1408, 2816, None),
@@ -223,7 +233,7 @@ def check_grouped_w4a8():
                 name = f"grouped w4a8 {kern} E={len(sizes)} M={m} {n}x{k} " \
                        f"{jnp.dtype(out_dtype).name}"
                 print(f"...  {name}", flush=True)
-                got = testing.call_with_poisoned_outputs(
+                got = bounds.call_with_poisoned_outputs(
                     lambda a, b, c, g, kern=kern, dt=out_dtype: ffi.grouped_w4a8_matmul(
                         a, b, c, g, out_dtype=dt, kernel=kern), xq, xs, wq, gs)
                 resolved = ffi.w4a8.auto_kernel(m, grouped=True) if kern == "auto" else kern

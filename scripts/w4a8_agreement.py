@@ -21,14 +21,14 @@ ATTENTION_NOTE: Gemma 4 attends with scale 1.0 after q_norm / k_norm; with norm 
 softmax is a hard argmax and any perturbation (bf16 or w4a8 alike) flips which key a query
 reads. Trained norm weights do not do that; the random stack sets q_norm and k_norm weights to
 head_dim**-0.25 (scores with the usual 1/sqrt(head_dim) spread).
-Results: docs/notes_w4a8.md.
+Results: docs/design/w4a8.md, "Accuracy".
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
@@ -38,12 +38,10 @@ import numpy as np
 from flax import nnx
 from safetensors.flax import save_file
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from jax_mila import gemma4, nn  # noqa: E402
-from jax_mila.quant import dequantize_mxfp4  # noqa: E402
-from jax_mila.gemma4 import loader  # noqa: E402
-from jax_mila.gemma4.config import Gemma4Config  # noqa: E402
+from jax_mila import gemma4, nn
+from jax_mila.gemma4 import loader
+from jax_mila.gemma4.config import Gemma4Config
+from jax_mila.quant import dequantize_mxfp4
 
 SEQ = 64
 
@@ -132,18 +130,22 @@ def measure(path: str, label: str, logits_fn=None) -> None:
     print(f"  ({time.time() - t:.0f} s)")
 
 
-def main(argv) -> None:
-    which = argv[1] if len(argv) > 1 else "embedded"
-    if which == "embedded":
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", nargs="?", default="embedded", choices=("embedded", "12b-stack"),
+                   help="the shipped embedded checkpoint (default), or 2 random layers of the "
+                        "12B's shapes")
+    args = p.parse_args(argv)
+    if args.target == "embedded":
         measure(str(gemma4.embedded_checkpoint()), "embedded checkpoint")
-    elif which == "12b-stack":
+    else:
         with tempfile.TemporaryDirectory() as d:
             write_random_12b_stack(d)
             head = 0.05 * jax.random.normal(jax.random.key(7), (3840, 4096), jnp.float32)
             measure(d, "random 12B-shaped 2-layer stack", random_head_logits(head))
-    else:
-        sys.exit(f"unknown target {which!r} (embedded, 12b-stack)")
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    main()

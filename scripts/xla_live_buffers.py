@@ -8,7 +8,7 @@ allocation with its size) and `*after_optimizations-live-range.txt` (where each 
 the schedule), finds the schedule position where the most temporary bytes are alive and lists
 the largest of them with the instructions that define and last use them. Written to find what
 makes the context-parallel chunk step (`jit_body`) plan ~1 GiB more than the single-device step
-(docs/performance.md, fifth round). Without a live-range file it lists the largest values.
+Without a live-range file it lists the largest values.
 """
 
 from __future__ import annotations

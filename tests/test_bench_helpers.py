@@ -1,4 +1,4 @@
-"""The benchmarks' timing helpers, without a GPU: benchmarks/_bench.py's GpuSampler (the clock
+"""The benchmarks' timing helpers, without a GPU: jax_mila/bench/timing.py's GpuSampler (the clock
 and power beside every GEMM number) against a stand-in nvidia-smi on PATH,
 benchmarks/gemm.py's trial scheduling (one path after another, or interleaved), and the device
 time per call of short ops (jax_mila/bench/trace.py's windows over synthetic traces)."""
@@ -6,7 +6,6 @@ time per call of short ops (jax_mila/bench/trace.py's windows over synthetic tra
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import os
 import stat
@@ -18,20 +17,16 @@ from unittest import mock
 import jax.numpy as jnp
 from absl.testing import absltest, parameterized
 
-from jax_mila.bench import trace
-
-_BENCHMARKS = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
+from jax_mila.bench import timing, trace
+import testing  # tests/testing.py
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(_BENCHMARKS, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return testing.load_script(f"benchmarks/{name}.py")
 
 
 def _load_bench():
-    return _load("_bench")
+    return timing
 
 
 # Streams "clock, power" lines (one unparsable reading among them) with -lms; answers the
@@ -113,8 +108,6 @@ class TrialScheduleTest(absltest.TestCase):
 
     def setUp(self):
         super().setUp()
-        sys.path.insert(0, _BENCHMARKS)  # gemm.py imports _bench from beside it
-        self.addCleanup(sys.path.remove, _BENCHMARKS)
         # Its import sets XLA_PYTHON_CLIENT_MEM_FRACTION for the benchmark's own process; it
         # must not reach the tests that run after this one.
         with mock.patch.dict(os.environ):
@@ -242,8 +235,6 @@ class GemmKernelsScriptTest(absltest.TestCase):
         # benchmarks/gemm_kernels.py end to end on the CPU backend: the W4A8 path (the reference)
         # and XLA's scaled FP8 path each get a row; the CPU trace holds no device kernels, so
         # their device time is 0 and their kernel list empty.
-        sys.path.insert(0, _BENCHMARKS)
-        self.addCleanup(sys.path.remove, _BENCHMARKS)
         out = io.StringIO()
         with mock.patch.dict(os.environ), contextlib.redirect_stdout(out), mock.patch.object(
                 sys, "argv", ["gemm_kernels.py", "--m", "8", "--only", "o_proj_sliding",

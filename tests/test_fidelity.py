@@ -1,10 +1,10 @@
-"""jax_mila.gemma4.fidelity on a tiny config (CPU: the kernel path is the reference path, so
-every error must be exactly 0), and that its per-layer comparison does see a difference."""
+"""jax_mila.gemma4.fidelity through scripts/fidelity.py on a tiny config (CPU: the kernel path is
+the reference path, so every error must be exactly 0), and that its per-layer comparison does see
+a difference."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -19,14 +19,15 @@ from flax import nnx
 
 from jax_mila.ffi import _registry
 from jax_mila.gemma4 import fidelity
+import testing  # tests/testing.py
 
+SCRIPT = testing.load_script("scripts/fidelity.py")
 SEED = int.from_bytes(os.urandom(4), "little") % 2**31
-SEEDS_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "fidelity_seeds.py")
 ARGS = ["--model", "tiny", "--tokens", "40", "--logit-rows", "16", "--prefill-chunk", "16",
-        "--generate-tokens", "6", "--noise-floor"]  # scripts/fidelity_seeds.py runs the same
+        "--generate-tokens", "6", "--noise-floor"]  # scripts/fidelity.py --seeds runs the same
 # GPU: the kernel path's error in units of the noise floor (fidelity.NOISE_FLOOR_RATE: the
 # reference against itself with every quantizer input one bf16 ulp off). Calibrated on the
-# H200 (2026-12-01, `scripts/fidelity_seeds.py --seeds 10`, seeds 0-4 finished in its 250 s):
+# H200 (2026-12-01, `scripts/fidelity.py --seeds 10`, seeds 0-4 finished in its 250 s):
 # per-layer kernel/floor ratios 0.851-0.893 (largest at layers 4-5), sqrt((1 - cos) /
 # (1 - floor cos)) of the logits 0.84-0.94, and the three greedy flips near ties with
 # margin / floor 0.51, 0.06 and -0.04; so 1.25 leaves ~30% over the largest seen. On the CPU
@@ -43,7 +44,7 @@ class FidelityTest(absltest.TestCase):
     def test_tiny_run_writes_the_table_and_json(self):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "fidelity.json")
-            rc = fidelity.main(ARGS + ["--seed", str(SEED), "--out", out])
+            rc = SCRIPT.main(ARGS + ["--seed", str(SEED), "--out", out])
             with open(out) as f:
                 result = json.load(f)
         msg = f"seed {SEED}: {result}"
@@ -91,11 +92,9 @@ class FidelityTest(absltest.TestCase):
         self.assertLen(g["kernel_tokens"], 6)
 
     def test_seeds_script_prints_a_row_per_seed(self):
-        # scripts/fidelity_seeds.py, what calibrates NOISE_MULTIPLE on a GPU, runs the test's
+        # scripts/fidelity.py --seeds, what calibrates NOISE_MULTIPLE on a GPU, runs the test's
         # arguments (on the CPU: kernel errors 0, the floor's as above).
-        spec = importlib.util.spec_from_file_location("fidelity_seeds", SEEDS_SCRIPT)
-        script = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(script)
+        script = SCRIPT
         self.assertEqual(script.ARGS, ARGS)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):

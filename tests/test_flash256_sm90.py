@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from jax_mila import ffi, testing
+from jax_mila import ffi
 from jax_mila.ffi import attention
+import testing  # tests/testing.py
 
 SM90 = attention.D256_SM90_TARGET
 MMA = "jax_mila_flash_attention_d256"

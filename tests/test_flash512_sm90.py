@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from jax_mila import ffi, reference, testing
+from jax_mila import ffi, reference
 from jax_mila.ffi import attention
+import testing  # tests/testing.py
 
 SM90 = attention.D512_SM90_TARGET
 ROTARY = attention.D512_SM90_ROTARY_KEYS_TARGET

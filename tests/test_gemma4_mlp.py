@@ -14,9 +14,10 @@ import numpy as np
 from absl.testing import absltest, parameterized
 from flax import nnx
 
-from jax_mila import ffi, reference, testing
+from jax_mila import ffi, reference
 from jax_mila.gemma4.mlp import Gemma4MLP, gelu_tanh
 from jax_mila.parallel.tensor import tensor_parallel
+import testing  # tests/testing.py
 
 HIDDEN, INTERMEDIATE = 256, 512
 

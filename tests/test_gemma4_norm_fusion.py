@@ -16,10 +16,11 @@ import numpy as np
 from absl.testing import absltest, parameterized
 from flax import nnx
 
-from jax_mila import ffi, gemma4, nn, reference, testing
+from jax_mila import ffi, gemma4, nn, reference
 from jax_mila.gemma4.config import Gemma4Config
 from jax_mila.gemma4.model import Gemma4DecoderLayer
 from jax_mila.parallel.tensor import tensor_parallel
+import testing  # tests/testing.py
 
 S, F = "sliding_attention", "full_attention"
 # Every projection W4A8-sized (hidden 128, q heads x head_dim 128); PLE (16 -> 128: dense),

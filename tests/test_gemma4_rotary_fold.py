@@ -18,10 +18,11 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 from jax.sharding import Mesh
 
-from jax_mila import gemma4, nn, parallel, reference, testing
+from jax_mila import gemma4, nn, parallel, reference
 from jax_mila.gemma4.attention import Gemma4Attention
 from jax_mila.gemma4.config import Gemma4Config
 from jax_mila.gemma4.rope import rope_tables
+import testing  # tests/testing.py
 
 S, F = "sliding_attention", "full_attention"
 # Global layers as in the released K=V checkpoints: head_dim 512, one KV head, proportional RoPE

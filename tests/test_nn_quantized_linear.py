@@ -23,10 +23,11 @@ import numpy as np
 from absl.testing import absltest, parameterized
 from flax import nnx
 
-from jax_mila import ffi, nn, quant, reference, testing
+from jax_mila import ffi, nn, quant, reference
 from jax_mila.ffi import _registry as ffi_registry
 from jax_mila.nn import linear as linear_mod
 from jax_mila.nn.linear import MXFP4Param
+import testing  # tests/testing.py
 
 K, N = 256, 128
 LEAD = (3, 7)  # M = 21 rows, not a tile multiple

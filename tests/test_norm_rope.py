@@ -1,8 +1,8 @@
-"""rms_norm_rope, the fused per-head RMS norm + RoPE of the attention layers: the reference
-against the float64 interval oracle (jax_mila.testing.norm_rope_problem), the oracle against
+"""rms_norm_rope, the fused per-head RMS norm + RoPE of the attention layers: the reference against
+the float64 interval oracle (jax_mila.reference.bounds.norm_rope_problem), the oracle against
 wrong implementations, validation, where the Gemma 4 attention layers take the op (CPU); the
-kernel against the oracle with poisoned outputs (GPU). Inputs are fresh random values every
-run; each test prints its seed."""
+kernel against the oracle with poisoned outputs (GPU). Inputs are fresh random values every run;
+each test prints its seed."""
 
 import functools
 import logging
@@ -16,12 +16,13 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 from jax.sharding import Mesh
 
-from jax_mila import ffi, gemma4, nn, parallel, reference, testing
+from jax_mila import ffi, gemma4, nn, parallel, reference
 from jax_mila.ffi import _registry
 from jax_mila.gemma4 import rope
 from jax_mila.gemma4.config import RopeSpec
 from jax_mila.gemma4.rope import apply_rope, rope_tables
 from jax_mila.nn.norm import rms_norm
+import testing  # tests/testing.py
 
 EPS = 1e-6
 

@@ -16,9 +16,10 @@ import ml_dtypes
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from jax_mila import ffi, reference, testing
+from jax_mila import ffi, reference
 from jax_mila.gemma4.mlp import gelu_tanh
 from jax_mila.nn.norm import rms_norm
+import testing  # tests/testing.py
 
 E4M3_MAX = 448.0
 
@@ -189,8 +190,8 @@ class KernelTest(parameterized.TestCase):
 
 # ---- quantize_geglu --------------------------------------------------------------------------
 
-# Every result is held against jax_mila.testing's interval oracle: per element, the codes any
-# admitted implementation (a float32 tanh within testing.GEGLU_TANH_ERROR of the exact one, the
+# Every result is held against jax_mila.reference.bounds' interval oracle: per element, the codes
+# any admitted implementation (a float32 tanh within testing.GEGLU_TANH_ERROR of the exact one, the
 # two bf16 roundings, the row quantization) could produce given the row's scale; per row, the
 # scales. All elements and rows must pass, on every backend, for the reference and the kernel.
 
@@ -500,9 +501,9 @@ class GegluKernelTest(parameterized.TestCase):
 
 # ---- add_rms_norm_quantize -------------------------------------------------------------------
 
-# Held against jax_mila.testing's interval oracle like quantize_geglu: per element, the h and the
-# codes any admitted implementation (the sum of squares in any order, r within a few ulp, the
-# bf16 roundings of the definition) could produce; per row, the scales.
+# Held against jax_mila.reference.bounds' interval oracle like quantize_geglu: per element, the h
+# and the codes any admitted implementation (the sum of squares in any order, r within a few ulp,
+# the bf16 roundings of the definition) could produce; per row, the scales.
 
 EPS = 1e-6  # Gemma 4's rms_norm_eps
 
@@ -901,7 +902,8 @@ class NormKernelTest(parameterized.TestCase):
             import sys, functools
             sys.path.insert(0, %r)
             import jax, jax.numpy as jnp
-            from jax_mila import ffi, testing
+            from jax_mila import ffi
+            import testing
             from test_quantize import norm_inputs, EPS
             x, branch, wb, wn = norm_inputs((4096, 384), seed=3)
             fn = functools.partial(ffi.add_rms_norm_quantize, eps=EPS)

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 from absl.testing import absltest
 
 import jax_mila
-from jax_mila import _selftest, ffi, testing
+from jax_mila import _selftest, ffi
 from jax_mila.ffi import _registry
+import testing  # tests/testing.py
 
 
 class RegistryTest(absltest.TestCase):

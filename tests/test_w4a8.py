@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from jax_mila import ffi, quant, reference, testing
+from jax_mila import ffi, quant, reference
 from jax_mila.ffi import w4a8 as w4a8_module
+import testing  # tests/testing.py
 
 
 KERNELS = ["auto", "mma_sync", "wgmma_ws", "wgmma_ws_e4m3"]

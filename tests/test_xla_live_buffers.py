@@ -11,8 +11,9 @@ from unittest import mock
 
 from absl.testing import absltest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
-import xla_live_buffers  # noqa: E402
+import testing  # tests/testing.py
+
+xla_live_buffers = testing.load_script("scripts/xla_live_buffers.py")
 
 MIB = 2**20
 # A parameter (not a temporary), and two temporary allocations: a (64 MiB) lives 1-3, b and

@@ -11,7 +11,7 @@ those gaps). With several devices the
 split is also kept per device: NCCL kernels spin while they wait for a peer, so a device's
 "collectives" time is transfers plus the other devices' lateness. :func:`host_windows` and
 :func:`device_seconds_in_windows` give the device time of timed runs the caller marked with
-host annotations (benchmarks/_bench.py's device time per call of short ops).
+host annotations (jax_mila/bench/timing.py's device time per call of short ops).
 """
 
 from __future__ import annotations

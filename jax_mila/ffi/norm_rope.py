@@ -62,7 +62,7 @@ def rms_norm_rope(x, weight, cos, sin, *, eps):
     Without the kernel (CPU, JAX_MILA_DISABLE) this is jax_mila.reference.rms_norm_rope. The
     kernel sums the squares in its own order, which moves rare normed values by a bf16 step;
     what any implementation of the definition may return is stated and checked by
-    jax_mila.testing.norm_rope_problem.
+    jax_mila.reference.bounds.norm_rope_problem.
     """
     _validate(x, weight, cos, sin)
     eps = _checks.static_eps(OP, eps)

@@ -81,7 +81,7 @@ def quantize_geglu(gate, up):
     quantize_activations. gelu_tanh is HF's gelu_pytorch_tanh in float32
     (jax_mila.reference.quantize). The kernel's float32 tanh is not XLA's (both are within
     2^-20 of the exact one), which moves rare codes by one e4m3 step; what any implementation
-    may return is stated and checked by jax_mila.testing.geglu_quantization_problem.
+    may return is stated and checked by jax_mila.reference.bounds.geglu_quantization_problem.
     """
     _validate_rows(GEGLU_OP, "gate", gate)
     _checks.check_dtype(GEGLU_OP, "up", up, [jnp.bfloat16])
@@ -132,7 +132,7 @@ def add_rms_norm_quantize(x, branch=None, *, branch_weight=None, norm_weight, ep
     kernel computes the definition, every bf16 rounding included, with the squares summed in its
     own order, which moves rare elements of h and of the normed rows by a bf16 step: what any
     implementation of the definition may return is stated and checked by
-    jax_mila.testing.add_rms_norm_quantization_problem.
+    jax_mila.reference.bounds.add_rms_norm_quantization_problem.
     """
     _validate_rows(NORM_OP, "x", x)
     k = x.shape[-1]

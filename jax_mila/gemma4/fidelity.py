@@ -1,10 +1,8 @@
 """Fidelity of the kernel path against the reference path on the same weights.
 
-    python3 scripts/fidelity.py --model 12b --tokens 8192          # GPU: the 12B shapes at 8K
-    python3 scripts/fidelity.py --model tiny --tokens 64           # CPU smoke run (the test)
-
-Three checks, one table and one JSON file (``--out``, default $OUT/fidelity.json):
-- final logits of a full forward over ``--tokens`` random tokens: cosine similarity per
+``run(size, tokens=...)`` returns one result dict (``format_table`` prints it);
+scripts/fidelity.py is its command line (``python3 scripts/fidelity.py --help``). Three checks:
+- final logits of a full forward over ``tokens`` random tokens: cosine similarity per
   position (mean, min), top-1 agreement, max |error|, relative Frobenius error;
 - every decoder layer's output: relative Frobenius error against the reference, so it shows
   whether the error compounds with depth or stays at the bf16 level;
@@ -17,7 +15,7 @@ The reference model is the kernel model with every module's ``backend`` set to "
 (``with_backend``): the weights are the same arrays, so any difference is the kernels'.
 On a machine without the kernels (CPU) both paths are the reference and every error is 0.
 
-``--noise-floor`` (one more reference forward) adds what those errors are measured against:
+``noise_floor=True`` (one more reference forward) adds what those errors are measured against:
 the reference path against itself with every W4A8 quantizer input's elements moved by one bf16
 ulp at a fixed rate (``NOISE_FLOOR_RATE``, jax_mila.nn.noise). That is the form in which any
 float32-level difference between the paths (accumulation order and precision in the GEMM,
@@ -28,12 +26,8 @@ and, where greedy tokens differ, as the largest logit difference it makes at tha
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
-import logging
-import os
-import sys
 import time
 
 import jax
@@ -366,58 +360,43 @@ def format_table(result: dict) -> str:
     return "\n".join("| " + line for line in lines)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="12b", choices=SIZES)
-    p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--layers", type=int, default=None, help="first N layers only (default: all)")
-    p.add_argument("--quantize", default="w4a8", choices=["w4a8", "none"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--logit-rows", type=int, default=1024, help="rows per logits block")
-    p.add_argument("--prefill-chunk", type=int, default=2048,
-                   help="chunk of the kernel prefill compared at the last position (0: skip)")
-    p.add_argument("--generate-tokens", type=int, default=32, help="0: skip the generate check")
-    p.add_argument("--noise-floor", action="store_true",
-                   help="also the reference against itself under one-ulp quantizer noise (one "
-                        "more reference forward; see NOISE_FLOOR_RATE)")
-    p.add_argument("--out", default=None, help="JSON path (default $OUT/fidelity.json)")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    quantize = None if args.quantize == "none" else args.quantize
-    cfg = model_config(args.model, args.layers)
-    kernel = random_model(cfg, quantize=quantize, backend="mila", seed=args.seed)
+def run(size: str = "12b", *, tokens: int = 8192, layers: int | None = None,
+        quantize: str | None = "w4a8", seed: int = 0, logit_rows: int = 1024,
+        prefill_chunk: int = 2048, generate_tokens: int = 32,
+        noise_floor: bool = False) -> dict:
+    """The three checks (module docstring) on a random-weight model of ``size`` (one of SIZES)
+    cut to its first ``layers`` layers: a result dict (``format_table`` prints it; JSON-ready).
+    ``prefill_chunk`` 0 skips the chunked-prefill check, ``generate_tokens`` 0 the generate
+    check; ``noise_floor`` adds the noise floor."""
+    if size not in SIZES:
+        raise ValueError(f"size={size!r} is not one of {SIZES}")
+    cfg = model_config(size, layers)
+    kernel = random_model(cfg, quantize=quantize, backend="mila", seed=seed)
     reference = with_backend(kernel, "reference")
-    ids = jax.random.randint(jax.random.key(args.seed + 1), (1, args.tokens), 3, cfg.vocab_size,
+    ids = jax.random.randint(jax.random.key(seed + 1), (1, tokens), 3, cfg.vocab_size,
                              jnp.int32)
-    chunk = min(args.prefill_chunk, args.tokens) or None
-    result = dict(model=args.model, layers=cfg.num_hidden_layers, tokens=args.tokens,
-                  quantize=args.quantize, seed=args.seed, device=str(jax.devices()[0]),
+    chunk = min(prefill_chunk, tokens) or None
+
+    def noise_key(use: int):
+        """The noise floor's key for one of its uses (0: the forward, 1: generate)."""
+        return jax.random.fold_in(jax.random.key(seed), use) if noise_floor else None
+
+    result = dict(model=size, layers=cfg.num_hidden_layers, tokens=tokens,
+                  quantize=quantize or "none", seed=seed, device=str(jax.devices()[0]),
                   random_init=("jax_mila.gemma4.random_init" if _has_random_init()
                                else "nnx initializers"),
-                  forward=compare_forward(kernel, reference, ids, logit_rows=args.logit_rows,
-                                          prefill_chunk=chunk,
-                                          noise_key=_noise_key(args, 0)))
+                  forward=compare_forward(kernel, reference, ids, logit_rows=logit_rows,
+                                          prefill_chunk=chunk, noise_key=noise_key(0)))
     del kernel, reference
-    if args.generate_tokens:
-        result["generate"] = compare_generate(new_tokens=args.generate_tokens, seed=args.seed,
-                                              quantize=quantize, noise_key=_noise_key(args, 1))
+    if generate_tokens:
+        result["generate"] = compare_generate(new_tokens=generate_tokens, seed=seed,
+                                              quantize=quantize, noise_key=noise_key(1))
     stats = jax.devices()[0].memory_stats() or {}
     result["peak_gib"] = (stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats
                           else None)
     result["kernels"] = {op: str(st) for op, st in ffi.available().items()}
     result["fallbacks"] = [f"{op}: {why}" for op, why in _registry.logged_fallbacks()]
-    print(format_table(result))
-    out = args.out or os.path.join(os.environ.get("OUT", "."), "fidelity.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {out}")
-    return 0 if result.get("generate", {}).get("equal", True) else 1
-
-
-def _noise_key(args, use: int):
-    """The noise floor's key for one of its uses (the forward, generate), from --seed."""
-    return jax.random.fold_in(jax.random.key(args.seed), use) if args.noise_floor else None
+    return result
 
 
 def _has_random_init() -> bool:
@@ -426,7 +405,3 @@ def _has_random_init() -> bool:
     except ImportError:
         return False
     return hasattr(random_init, "random_model")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

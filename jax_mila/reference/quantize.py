@@ -20,8 +20,8 @@ multiply. The two bf16 roundings are lax.reduce_precision, not convert pairs: un
 GPU, XLA (xla_allow_excess_precision, on by default) deletes f32 -> bf16 -> f32 convert chains
 (SimplifyFPConversions), which would quietly skip both roundings. Implementations differ in
 their float32 tanh (XLA's rational approximation, the kernel's exp2 form), which moves rare
-elements of h by a bf16 step: jax_mila.testing.geglu_quantization_problem states what is
-admissible and checks it element by element.
+elements of h by a bf16 step: jax_mila.reference.bounds.geglu_quantization_problem states what
+is admissible and checks it element by element.
 
 add_rms_norm_quantize(x, branch, branch_weight=, norm_weight=, eps=) is a Gemma 4 decoder layer's
 norms around its W4A8 projections (jax_mila/gemma4/model.py), rms_norm being
@@ -40,8 +40,8 @@ a float32 add whose bf16 result only the returned h gets), in the model as in th
 Evaluated op by op (eagerly) every rounding is kept, and that is the op's definition, which the
 kernel computes (PyTorch's bf16 model rounds h too): h rounded to bf16 before the second norm.
 A kernel also sums the squares in its own order and takes its own rsqrt, which moves rare
-elements by a bf16 step: jax_mila.testing.add_rms_norm_quantization_problem states what is
-admissible under the definition.
+elements by a bf16 step: jax_mila.reference.bounds.add_rms_norm_quantization_problem states what
+is admissible under the definition.
 """
 
 from __future__ import annotations

@@ -1,47 +1,26 @@
-"""Helpers for jax_mila's test suites (absltest cases run with pytest).
+"""How far a result may be from its op's definition, and how to hold a kernel to it.
 
-Kept in the package so GPU suites, benchmarks and users' own tests share one definition of
-"poisoned output", "CUDA present" and the error measures.
+- The interval oracles that the op docstrings cite as the definition of allowed error:
+  ``geglu_quantization_problem`` (jax_mila.ffi.quantize_geglu),
+  ``add_rms_norm_quantization_problem`` (add_rms_norm_quantize) and ``norm_rope_problem``
+  (rms_norm_rope). Each derives, per element in float64 from the exact function, what any
+  correct implementation may return, and names every element and row outside it (None when
+  all pass): no backend's rounding is the yardstick and no count of exceptions is allowed.
+- The error measures the tests and tools use: ``max_abs_err``, ``rel_fro_err``,
+  ``e4m3_steps``.
+- ``call_with_poisoned_outputs``: runs a function with every output buffer pre-filled with
+  poison (NaN), so that an element a kernel never writes cannot pass a check.
+
+Used by jax_mila.selftest(), the test suites (tests/) and scripts/sanitize_kernels.py.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-
-@functools.cache
-def cuda_devices() -> tuple:
-    try:
-        return tuple(jax.devices("cuda"))
-    except RuntimeError:
-        return ()
-
-
-def has_cuda() -> bool:
-    return bool(cuda_devices())
-
-
-def skip_unless_kernel(testcase, op: str, target: str | None = None) -> None:
-    """Skips `testcase` (in setUp) unless a CUDA device is present and `op`'s kernel is built."""
-    from jax_mila import ffi
-
-    if not has_cuda():
-        testcase.skipTest("no CUDA device")
-    st = ffi.status(op, target)
-    if not st.kernel:
-        testcase.skipTest(f"{op} kernel not available: {st.reason}")
-
-
-def compute_capability() -> tuple[int, int]:
-    """(major, minor) of the first CUDA device."""
-    from jax_mila.ffi._registry import cuda_capabilities
-
-    return cuda_capabilities()[0]
 
 
 def poison_like(struct: jax.ShapeDtypeStruct):
@@ -78,18 +57,6 @@ def call_with_poisoned_outputs(fn, *args):
             raise AssertionError(f"output {i} did not reuse its poisoned buffer; "
                                  "the poison check would prove nothing")
     return jax.tree.unflatten(treedef, out_leaves)
-
-
-def attention_target_call(target: str, q, k, v, q_offset, kv_offset, *, scale, causal, window):
-    """(o, lse) of one flash-attention FFI target called directly, past the routing of
-    jax_mila.ffi.flash_attention: so that tests can hold two kernels against each other
-    (``window`` 0: none)."""
-    b, t, hq, _ = q.shape
-    out = (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
-           jax.ShapeDtypeStruct((b, hq, t), jnp.float32))
-    return jax.ffi.ffi_call(target, out)(q, k, v, jnp.int32(q_offset), jnp.int32(kv_offset),
-                                         scale=np.float32(scale), causal=bool(causal),
-                                         window=np.int64(window))
 
 
 def e4m3_steps(q, q_ref) -> np.ndarray:

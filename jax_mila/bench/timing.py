@@ -1,5 +1,7 @@
-"""Timing helpers shared by the benchmarks: medians after warm-up, of wall time, or for short
-ops of device time (kernel durations from a jax.profiler trace, host gaps excluded)."""
+"""Timing helpers shared by the kernel benchmarks (benchmarks/*.py): medians after warm-up, of
+wall time, or for short ops of device time (kernel durations from a jax.profiler trace, host
+gaps excluded); the GPU's clock and power while a path ran (GpuSampler); markdown tables and
+the JSON the benchmarks write to $OUT."""
 
 from __future__ import annotations
 
