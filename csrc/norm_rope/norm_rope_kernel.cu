@@ -14,7 +14,7 @@
 //
 // Where the results may differ from the reference (jax_mila/reference/norm_rope.py): the squares
 // are summed in another order and r is __frsqrt_rn (correctly rounded), which moves rare normed
-// values by a bf16 step near a rounding tie; jax_mila.testing.norm_rope_problem states what is
+// values by a bf16 step near a rounding tie; jax_mila.reference.bounds.norm_rope_problem states what is
 // admissible. The rest is the reference's arithmetic: (x * r) * w rounded once to bf16, then
 // n * cos -+ partner * sin in float32 rounded once to bf16.
 #include "norm_rope/norm_rope_kernel.h"

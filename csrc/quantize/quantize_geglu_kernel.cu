@@ -13,7 +13,7 @@ namespace {
 // written as x / (1 + 2^z), z = x (1 + 0.044715 x^2) k, k = -2 sqrt(2/pi) log2(e) (the identity
 // 0.5 (1 + tanh(y)) = 1 / (1 + e^(-2y))): one ex2.approx, one rcp.approx and a Newton step,
 // 11 instructions where tanhf took ~20 more and set the kernel's pace.
-// Accuracy, as jax_mila.testing's GEGLU oracle counts it (the implied tanh, 2 / (1 + 2^z) - 1,
+// Accuracy, as jax_mila.reference.bounds' GEGLU oracle counts it (the implied tanh, 2 / (1 + 2^z) - 1,
 // against the exact tanh(y); the oracle admits 2^-20): z's 4 roundings move it by < 2^-25;
 // ex2.approx (2 ulp) by < 2^-22; the reciprocal after its Newton step is within ~1 ulp, an
 // error of the final product rather than of tanh. Emulated over every finite bf16 x with

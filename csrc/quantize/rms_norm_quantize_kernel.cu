@@ -26,7 +26,7 @@
 // Where the float32 results may differ from XLA's: the sum of squares is summed in another
 // order (each thread's values in sequence, then a butterfly over the warp, then the warps in
 // order); r is __frsqrt_rn (correctly rounded, as XLA's CPU pow is to 0.5 ulp). Both are
-// inside jax_mila.testing.add_rms_norm_quantization_problem's intervals. The products are
+// inside jax_mila.reference.bounds.add_rms_norm_quantization_problem's intervals. The products are
 // __fmul_rn in rms_norm's order, (v * r) * w, and every rounding to bf16 is the one the
 // reference does.
 #include "quantize/quantize_kernel.h"
