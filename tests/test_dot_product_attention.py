@@ -159,11 +159,16 @@ class SignatureTest(absltest.TestCase):
 
 
 class FallbackTest(parameterized.TestCase):
-    """Calls the kernels do not take (and, on CPU, every call) return jax's result exactly."""
+    """Fallback calls return jax's result exactly (the device is made to refuse the kernel, so
+    that calls the kernel would take fall back on a GPU too)."""
 
     def setUp(self):
         super().setUp()
         _registry.reset_fallback_log()
+        refuse = mock.patch.object(attention_api, "device_unsupported_reason",
+                                   return_value="no kernel (test)")
+        refuse.start()
+        self.addCleanup(refuse.stop)
 
     @parameterized.named_parameters(
         ("d64_plain", 64, jnp.float32, dict()),
@@ -291,7 +296,10 @@ class KernelPathTest(_Compare):
         got = jax.jit(lambda: loss(jax_mila.dot_product_attention, implementation="mila"))()
         want = jax.jit(lambda: loss(jax.nn.dot_product_attention))()
         for g, w in zip(got, want):
-            np.testing.assert_array_equal(_f32(g), _f32(w), f"seed={seed}")
+            if testing.has_cuda():  # one computation in two programs: XLA may fuse it apart
+                self.assertLess(testing.rel_fro_err(_f32(g), _f32(w)), 1e-2, f"seed={seed}")
+            else:
+                np.testing.assert_array_equal(_f32(g), _f32(w), f"seed={seed}")
 
 
 class PlanTest(parameterized.TestCase):
