@@ -34,7 +34,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 try:
@@ -218,9 +217,11 @@ def _compare(out, base) -> dict:
     """Differences from the baseline: relative Frobenius error of the final hidden states and of
     the last-position logits, KL(baseline || this) of their softmax (nats) and top-1 agreement."""
     (logits, hidden), (logits0, hidden0) = out, base
-    rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32))  # noqa: E731
-                                             .ravel()) / jnp.linalg.norm(b.astype(jnp.float32)
-                                                                         .ravel()))
+
+    def rel(a, b):
+        a, b = a.astype(jnp.float32).ravel(), b.astype(jnp.float32).ravel()
+        return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
     p0 = jax.nn.log_softmax(logits0, -1)
     p1 = jax.nn.log_softmax(logits, -1)
     kl = float(jnp.mean(jnp.sum(jnp.exp(p0) * (p0 - p1), -1)))

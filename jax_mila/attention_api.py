@@ -135,7 +135,8 @@ def kernel_plan(query, key, value, bias=None, mask=None, *, scale=None, is_causa
     if b > ffi_attention.MAX_BATCH:
         return None, f"batch {b} (the kernels take at most {ffi_attention.MAX_BATCH})"
     if k.shape[2] > ffi_attention.MAX_KV_HEADS:
-        return None, f"{k.shape[2]} KV heads (the kernels take at most {ffi_attention.MAX_KV_HEADS})"
+        return None, (f"{k.shape[2]} KV heads (the kernels take at most "
+                      f"{ffi_attention.MAX_KV_HEADS})")
     if t * g > _INT32_MAX or (d == 256 and t > ffi_attention.D256_MAX_QUERIES):
         return None, f"{t} queries at {g} query heads per KV head (beyond the kernels' row limits)"
 

@@ -234,7 +234,9 @@ class KernelPathTest(_Compare):
 
     @parameterized.named_parameters(*KERNEL_CASES)
     def test_against_oracle(self, *case):
-        fn = lambda *a, **kw: jax_mila.dot_product_attention(*a, implementation="mila", **kw)  # noqa: E731
+        def fn(*args, **kwargs):
+            return jax_mila.dot_product_attention(*args, implementation="mila", **kwargs)
+
         self.check_against_oracle(fn, case, _seed())
 
     def test_under_jit_with_traced_lengths(self):
