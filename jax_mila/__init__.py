@@ -2,7 +2,9 @@
 
 Subpackages: ``jax_mila.ffi`` (the custom calls), ``jax_mila.reference`` (pure-JAX oracles),
 ``jax_mila.quant`` (weight formats), ``jax_mila.nn`` (Flax NNX modules), ``jax_mila.gemma4``
-(the model, loader, prefill and generate).
+(the model, loader, prefill and generate). ``jax_mila.dot_product_attention`` is
+``jax.nn.dot_product_attention`` on the FlashAttention kernels where they apply
+(jax_mila/attention_api.py).
 """
 
 __version__ = "0.1.0"
@@ -15,6 +17,11 @@ _SUBPACKAGES = ("ffi", "gemma4", "nn", "quant", "reference")
 
 
 def __getattr__(name: str):
+    if name == "dot_product_attention":
+        from jax_mila.attention_api import dot_product_attention
+
+        globals()[name] = dot_product_attention
+        return dot_product_attention
     if name in _SUBPACKAGES:
         import importlib
 

@@ -1,4 +1,4 @@
-"""Linear: y = x @ kernel, no bias; dense (kernel [in, out], Flax layout) or W4A8.
+"""Linear: y = x @ kernel (+ bias, optional); dense (kernel [in, out], Flax layout) or W4A8.
 
 Every projection of the model goes through this module, so the weight format is chosen here
 and the model never changes with it:
@@ -15,6 +15,11 @@ and the model never changes with it:
   nonzero) stay dense, with one log line per shape on the "jax_mila" logger; the W4A8 ops
   themselves log (once per reason) when they run on the reference (no GPU, kernel not built,
   JAX_MILA_DISABLE, GPU below sm_89).
+
+``use_bias=True`` adds an nnx.Param ``bias`` [out_features] (in param_dtype) to the float32
+product before its one rounding to ``dtype``; without it the layer holds no ``bias`` attribute,
+so bias-free models and checkpoints are as before. (Tensor parallelism splits bias-free layers
+only.)
 
 ``MXFP4Param`` is its own nnx.Variable type (not nnx.Param), so optimizers and anything else
 filtering on nnx.Param never see the integer codes.
@@ -145,7 +150,7 @@ def set_mxfp4(module: nnx.Module, w: MXFP4Weight, shape: tuple[int, ...], what: 
 
 
 class Linear(nnx.Module):
-    """Bias-free linear layer.
+    """Linear layer, bias-free unless ``use_bias=True``.
 
     Dense: ``kernel`` is [in_features, out_features] in ``param_dtype``; the product accumulates
     in float32 and is rounded once to ``dtype`` (like a bf16 PyTorch ``nn.Linear``), so bf16
@@ -159,7 +164,7 @@ class Linear(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, *, backend: str = "auto",
                  dtype=jnp.float32, param_dtype=jnp.float32, quantize=None,
-                 rngs: nnx.Rngs | None = None):
+                 use_bias: bool = False, rngs: nnx.Rngs | None = None):
         check_backend(backend)
         quantize = w4a8_quantize_mode(quantize, in_features, out_features)
         self.in_features, self.out_features = in_features, out_features
@@ -174,6 +179,12 @@ class Linear(nnx.Module):
             w = quantize_mxfp4(init(rngs.params(), (out_features, in_features), jnp.float32),
                                check_finite=False)
             self.set_mxfp4(w)
+        if use_bias:
+            self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype))
+
+    @property
+    def use_bias(self) -> bool:
+        return "bias" in vars(self)
 
     # ---- the MXFP4 weight -----------------------------------------------------------------
 
@@ -191,18 +202,25 @@ class Linear(nnx.Module):
 
     @classmethod
     def quantize_from(cls, kernel, *, backend: str = "auto", dtype=jnp.float32,
-                      param_dtype=jnp.float32) -> "Linear":
+                      param_dtype=jnp.float32, bias=None) -> "Linear":
         """A ``quantize="w4a8"`` Linear holding the MXFP4 quantization of a dense Flax kernel
-        [in_features, out_features] (concrete; NaN/inf raise). Shapes the kernel cannot take
-        give a dense Linear holding ``kernel`` (with the fallback log line)."""
+        [in_features, out_features] (concrete; NaN/inf raise), and ``bias`` [out_features]
+        (in param_dtype) if given. Shapes the kernel cannot take give a dense Linear holding
+        ``kernel`` (with the fallback log line)."""
         in_features, out_features = kernel.shape
+        if bias is not None and tuple(jnp.shape(bias)) != (out_features,):
+            raise ValueError(f"Linear.quantize_from: bias of shape {list(jnp.shape(bias))} does "
+                             f"not fit kernel {list(kernel.shape)} (expected [{out_features}])")
         layer = nnx.eval_shape(lambda: cls(in_features, out_features, backend=backend,
                                            dtype=dtype, param_dtype=param_dtype,
-                                           quantize="w4a8", rngs=nnx.Rngs(0)))
+                                           quantize="w4a8", use_bias=bias is not None,
+                                           rngs=nnx.Rngs(0)))
         if layer.quantize == "w4a8":
             layer.set_mxfp4(quantize_mxfp4(jnp.asarray(kernel).T, name="kernel"))
         else:
             layer.kernel.set_value(jnp.asarray(kernel, param_dtype))
+        if bias is not None:
+            layer.bias.set_value(jnp.asarray(bias, param_dtype))
         return layer
 
     # ---- forward --------------------------------------------------------------------------
@@ -213,6 +231,8 @@ class Linear(nnx.Module):
         x = x.astype(self.dtype)
         kernel = self.kernel[...].astype(self.dtype)
         y = jnp.einsum("...i,io->...o", x, kernel, preferred_element_type=jnp.float32)
+        if self.use_bias:
+            y = self._add_bias(y)
         return y.astype(self.dtype)
 
     def _w4a8(self, x: jax.Array) -> jax.Array:
@@ -251,7 +271,18 @@ class Linear(nnx.Module):
             raise ValueError(f"Linear {self.in_features} -> {self.out_features}: matmul_quantized "
                              f"got q{list(q.shape)} and scale{list(scale.shape)}; expected q "
                              f"[..., {self.in_features}] and scale of q's leading shape")
-        out_dtype = self.dtype if jnp.dtype(self.dtype) == jnp.dtype(jnp.bfloat16) else jnp.float32
+        out_dtype = (self.dtype if jnp.dtype(self.dtype) == jnp.dtype(jnp.bfloat16)
+                     and not self.use_bias else jnp.float32)
         y = quantized_ops(self.backend).w4a8_matmul(q.reshape(-1, q.shape[-1]), scale.reshape(-1),
                                                     w, out_dtype=out_dtype)
+        if self.use_bias:
+            y = self._add_bias(y)
         return y.reshape(*q.shape[:-1], w.shape[0]).astype(self.dtype)
+
+    def _add_bias(self, y: jax.Array) -> jax.Array:
+        """The float32 product plus the bias, in float32."""
+        if tensor_parallel_axis() is not None:
+            raise ValueError(f"Linear {self.in_features} -> {self.out_features}: a bias under "
+                             "tensor parallelism is not supported (row-parallel partial sums "
+                             "would each add it)")
+        return y + self.bias[...].astype(jnp.float32)
