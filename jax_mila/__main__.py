@@ -92,6 +92,11 @@ def _run(args, parser) -> None:
     import jax.numpy as jnp
 
     from jax_mila import gemma4
+    from jax_mila._selftest import gpu_install_hint
+
+    hint = gpu_install_hint()
+    if hint:  # a warning: running on the CPU may be what the user wants
+        log.warning("%s: warning: %s", PROG, hint)
 
     args.model = _model_dir(parser, os.fspath(args.model or gemma4.embedded_checkpoint()))
     quantize, stored = _quantize_arg(args.quantize), _stored_format(args.model)
@@ -324,6 +329,16 @@ def main(argv=None) -> None:
                    help="weight format of the linears (default w4a8; none copies them dense)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    from jax_mila import _env
+
+    try:
+        _env.check_all()
+        _main(args, parser)
+    except _env.EnvError as e:  # a JAX_MILA_* variable: one line, no traceback
+        _fail(parser, str(e))
+
+
+def _main(args, parser) -> None:
     if args.command == "convert":
         _convert(args, parser)
         return
@@ -332,10 +347,11 @@ def main(argv=None) -> None:
         return
     if args.command == "selftest":
         import jax_mila
+        from jax_mila._selftest import gpu_install_hint
 
         results = jax_mila.selftest(verbose=True)
         failed = [r for r in results if r.outcome in ("MISMATCH", "ERROR")]
-        sys.exit(1 if failed else 0)
+        sys.exit(1 if failed or gpu_install_hint() else 0)  # a GPU left unused fails too
     if args.command == "generate" and args.new_tokens < 1:
         parser.error("--new-tokens must be >= 1")
     if args.seed < 0:  # numpy's seeds are non-negative

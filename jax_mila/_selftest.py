@@ -2,12 +2,17 @@
 
 Per op it reports OK (kernel matches the reference), MISMATCH (with the error), or
 REFERENCE ONLY / NOT AVAILABLE (with why). Inputs are fresh random values each run.
+
+``gpu_install_hint()`` tells a machine with an NVIDIA GPU that jax does not use (a CPU-only
+jax, above all) what to run; the selftest and the CLI print it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import os
+import shutil
 from typing import Callable
 from unittest import mock
 
@@ -27,6 +32,82 @@ class SelftestResult:
 
     def __str__(self) -> str:
         return f"{self.op:22s} {self.outcome:15s} {self.detail}"
+
+
+# Signs of an NVIDIA driver on this machine, whether or not jax can use it.
+NVIDIA_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidia0")
+# The CUDA major version of the kernels when the extension does not say (BUILD.md: tested 13.0).
+DEFAULT_CUDA_MAJOR = 13
+FIRST_JAX_WITH_CUDA13 = (0, 7, 2)  # the first jax with a "cuda13" extra
+
+
+def nvidia_gpu_evidence() -> str | None:
+    """What shows an NVIDIA GPU on this machine (a driver file, or nvidia-smi on PATH), or None."""
+    for path in NVIDIA_DRIVER_FILES:
+        if os.path.exists(path):
+            return path
+    smi = shutil.which("nvidia-smi")
+    return f"{smi} on PATH" if smi else None
+
+
+def _jax_gpus() -> list:
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:  # no GPU backend, or it failed to start
+        return []
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cuda_major() -> int:
+    """The CUDA major version the kernels were built with (the extension's build_info), else
+    DEFAULT_CUDA_MAJOR."""
+    from jax_mila.ffi import _registry
+
+    version = _registry.build_info().get("cuda_version", "")
+    major = version.split(".")[0]
+    return int(major) if major.isdigit() else DEFAULT_CUDA_MAJOR
+
+
+def gpu_install_hint() -> str | None:
+    """None, unless this machine has an NVIDIA GPU (nvidia_gpu_evidence) and jax sees no GPU;
+    then why, and the command that fixes it."""
+    evidence = nvidia_gpu_evidence()
+    if evidence is None or _jax_gpus():
+        return None
+    head = (f"an NVIDIA GPU is present ({evidence}) but jax {jax.__version__} sees none, so "
+            "every op runs its CPU reference")
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and not {"cuda", "gpu"} & {p.strip() for p in platforms.split(",")}:
+        return f"{head}: JAX_PLATFORMS={platforms!r} excludes it. Fix: unset JAX_PLATFORMS"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1", "none", "NoDevFiles"):
+        return f"{head}: CUDA_VISIBLE_DEVICES={visible!r} hides every GPU. Fix: unset CUDA_VISIBLE_DEVICES"
+    major = _cuda_major()
+    jax_version = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+    # The same jax version keeps the FFI the extension was compiled against.
+    if major == 13 and jax_version < FIRST_JAX_WITH_CUDA13:
+        fix = (f'python3 -m pip install -U "jax[cuda13]", then rebuild jax_mila against it '
+               "(python3 -m pip install --no-build-isolation --no-deps .)")
+    else:
+        fix = f'python3 -m pip install "jax[cuda{major}]=={jax.__version__}"'
+    plugins = {d: v for d in ("jax-cuda13-plugin", "jax-cuda12-plugin") if (v := _version(d))}
+    if not plugins:
+        return (f"{head}: no jax CUDA plugin is installed (a CPU-only jax). Fix: {fix} "
+                f"(CUDA {major}, as the kernels are built; or pip install '.[cuda]' from the "
+                "source tree)")
+    installed = ", ".join(f"{d} {v}" for d, v in plugins.items())
+    jaxlib = _version("jaxlib")
+    if any(v != jaxlib for v in plugins.values()):
+        return f"{head}: {installed} does not match jaxlib {jaxlib}. Fix: {fix}"
+    return (f"{head}: {installed} is installed but its backend did not start (jax's warning "
+            f"above says why; most often a driver older than CUDA {major}: nvidia-smi shows "
+            f"the CUDA version the driver supports). Fix: update the NVIDIA driver, or {fix}")
 
 
 def _fresh_key():
@@ -164,12 +245,15 @@ def _checks() -> dict[str, list[tuple[str | None, Callable[[], str | None]]]]:
 
 def run(verbose: bool = True) -> list[SelftestResult]:
     platform = jax.default_backend()
+    hint = gpu_install_hint() if platform != "gpu" else None
     results = []
     checks = _checks()
     for op in ffi.OPS:
         if platform != "gpu":
+            why = ("though an NVIDIA GPU is present (see above)" if hint
+                   else "kernels run on CUDA GPUs")
             results.append(SelftestResult(op, "REFERENCE ONLY",
-                                          f"default device is {platform}; kernels run on CUDA GPUs"))
+                                          f"default device is {platform}; {why}"))
             continue
         for target, check in checks.get(op, []):
             name = op if target is None else f"{op}[{target.removeprefix(f'jax_mila_{op}_')}]"
@@ -187,6 +271,8 @@ def run(verbose: bool = True) -> list[SelftestResult]:
         if op not in checks:
             results.append(SelftestResult(op, "NOT AVAILABLE", "no selftest case"))
     if verbose:
+        if hint:
+            print(f"jax_mila selftest: {hint}")
         print(f"jax_mila selftest on {jax.devices()[0]}:")
         for r in results:
             print("  " + str(r))

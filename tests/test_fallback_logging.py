@@ -85,8 +85,7 @@ class ModelFallbackLoggingTest(parameterized.TestCase):
     @parameterized.named_parameters(
         ("head_dim", dict(d=128), "head_dim=128"),
         ("dtype", dict(dtype=jnp.float16), "dtype float16"),
-        ("groups", dict(hq=34, hkv=2), "34 query heads over 2 KV heads"),
-        ("window", dict(window=0), "window=0"))
+        ("groups", dict(hq=34, hkv=2), "34 query heads over 2 KV heads"))
     def test_attention_config_fallbacks_name_the_reason_and_match_the_reference(self, cfg, why):
         d, dtype = cfg.get("d", 256), cfg.get("dtype", jnp.bfloat16)
         hq, hkv, window = cfg.get("hq", 4), cfg.get("hkv", 2), cfg.get("window", None)

@@ -10,10 +10,11 @@ import os
 import re
 import shutil
 import tempfile
+from unittest import mock
 
 from absl.testing import absltest, parameterized
 
-from jax_mila import gemma4
+from jax_mila import _selftest, gemma4
 from jax_mila.__main__ import _generated_text, _tokenizer, main
 
 EMBEDDED = str(gemma4.embedded_checkpoint())
@@ -90,6 +91,48 @@ class CliTest(parameterized.TestCase):
             code, err = run_cli_error("prefill", "--model", d)
         self.assertEqual(code, 2)
         self.assertEqual(err.strip(), f"python -m jax_mila: error: --model {d}: no config.json")
+
+    def test_truncated_checkpoint_is_one_line_naming_the_file(self):
+        with tempfile.TemporaryDirectory() as d:
+            shutil.copy(os.path.join(EMBEDDED, "config.json"), d)
+            with open(os.path.join(EMBEDDED, "model.safetensors"), "rb") as f:
+                data = f.read()
+            with open(os.path.join(d, "model.safetensors"), "wb") as f:
+                f.write(data[:len(data) // 3])
+            code, err = run_cli_error("prefill", "--model", d, "--prompt-ids", "2,5")
+        self.assertEqual(code, 2)
+        self.assertNotIn("Traceback", err)
+        self.assertLen(err.strip().splitlines(), 1)
+        self.assertRegex(err, rf"error: --model {re.escape(d)}: {re.escape(d)}/model\.safetensors: "
+                              r"not a readable safetensors file .*truncated or corrupt")
+
+    @parameterized.named_parameters(
+        ("disable", "JAX_MILA_DISABLE", "flash", r"JAX_MILA_DISABLE='flash' names unknown ops"),
+        ("switch", "JAX_MILA_FLASH256_SM90", "off",
+         r"JAX_MILA_FLASH256_SM90='off' is not supported \(supported: 0, 1; unset it"),
+    )
+    def test_malformed_environment_knob_is_one_line(self, name, value, pattern):
+        with mock.patch.dict(os.environ, {name: value}):
+            code, err = run_cli_error("prefill", "--length", "5")
+        self.assertEqual(code, 2)
+        self.assertNotIn("Traceback", err)
+        self.assertRegex(err.strip().splitlines()[-1], r"error: environment variable " + pattern)
+
+    def test_unused_gpu_is_named_with_the_fix(self):
+        hint = "an NVIDIA GPU is present (/dev/nvidia0) but jax 0.0 sees none ... Fix: pip x"
+        with mock.patch.object(_selftest, "gpu_install_hint", return_value=hint):
+            with self.assertLogs("jax_mila", logging.WARNING) as logs:
+                run_cli("prefill", "--length", "5")
+            self.assertIn(hint, "".join(logs.output))
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), self.assertRaises(SystemExit) as exit_:
+                main(["selftest"])
+        self.assertEqual(exit_.exception.code, 1)  # a GPU left unused fails the selftest
+        self.assertIn(f"jax_mila selftest: {hint}", out.getvalue())
+        self.assertIn("though an NVIDIA GPU is present (see above)", out.getvalue())
+        with mock.patch.object(_selftest, "gpu_install_hint", return_value=None), \
+                self.assertNoLogs("jax_mila", logging.WARNING):
+            run_cli("prefill", "--length", "5")
 
     def test_positions_past_max_position_embeddings_warn(self):
         with tempfile.TemporaryDirectory() as d:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -102,6 +103,92 @@ class LoaderTest(parameterized.TestCase):
         model = gemma4.from_pretrained(self.dir, dtype=jnp.float32)
         self.assertFalse(hasattr(model.layers[5].self_attn, "k_proj"))
         self.assertEqual(model.config.kv_sources, {"sliding_attention": 3, "full_attention": 2})
+
+    @parameterized.named_parameters(
+        ("nan_bf16", "layers.1.mlp.up_proj.weight", (3, 7), jnp.nan, jnp.bfloat16),
+        ("inf_f32", "layers.0.self_attn.q_norm.weight", (5,), jnp.inf, jnp.float32),
+        ("neg_inf_embedding", "embed_tokens.weight", (11, 2), -jnp.inf, jnp.bfloat16),
+    )
+    def test_non_finite_weight_is_refused_naming_it(self, leaf, index, value, dtype):
+        tensors = self._tensors()
+        name = PREFIX + leaf
+        tensors[name] = tensors[name].astype(dtype).at[index].set(value)
+        self._write(tensors)
+        for quantize in (None, "w4a8"):  # dense, and quantized on load
+            with self.subTest(quantize=quantize), self.assertRaisesRegex(
+                    CheckpointError, rf"{name.replace('.', '[.]')}: contains 1 NaN/inf value|"
+                                     rf"tensor {name.replace('.', '[.]')} contains 1 NaN/inf "
+                                     rf"value\(s\) \(in (bfloat16|float32)\), first at index "
+                                     rf"{re.escape(str(index))}"):
+                gemma4.from_pretrained(self.dir, quantize=quantize)
+
+    def test_float32_value_past_bfloat16_is_refused(self):
+        tensors = self._tensors()
+        name = PREFIX + "layers.0.input_layernorm.weight"
+        tensors[name] = tensors[name].astype(jnp.float32).at[2].set(3.4e38)  # rounds to inf in bf16
+        self._write(tensors)
+        gemma4.from_pretrained(self.dir, dtype=jnp.float32)  # finite in the model's float32
+        with self.assertRaisesRegex(CheckpointError, rf"{re.escape(name)} contains 1 NaN/inf "
+                                                     r"value\(s\) \(in bfloat16\)"):
+            gemma4.from_pretrained(self.dir, dtype=jnp.bfloat16)
+
+    @parameterized.parameters(jnp.int8, jnp.int32, jnp.uint8, jnp.bool_)
+    def test_non_float_weight_is_refused_not_cast(self, dtype):
+        tensors = self._tensors()
+        name = PREFIX + "layers.3.mlp.down_proj.weight"
+        tensors[name] = tensors[name].astype(dtype)
+        self._write(tensors)
+        for quantize in (None, "w4a8"):
+            with self.subTest(quantize=quantize), self.assertRaisesRegex(
+                    CheckpointError, rf"tensor {re.escape(name)} has dtype {jnp.dtype(dtype).name} "
+                                     r"\(supported: bfloat16, float16, float32\)"):
+                gemma4.from_pretrained(self.dir, quantize=quantize)
+
+    def test_float16_and_float32_weights_load(self):
+        tensors = self._tensors()
+        tensors[PREFIX + "layers.0.mlp.up_proj.weight"] = tensors[PREFIX + "layers.0.mlp.up_proj.weight"].astype(jnp.float16)
+        tensors[PREFIX + "layers.1.mlp.up_proj.weight"] = tensors[PREFIX + "layers.1.mlp.up_proj.weight"].astype(jnp.float32)
+        self._write(tensors)
+        ids = np.arange(3, 12, dtype=np.int32)[None]
+        got = gemma4.forward(gemma4.from_pretrained(self.dir, dtype=jnp.float32), ids)
+        want = gemma4.forward(gemma4.from_pretrained(self.src, dtype=jnp.float32), ids)
+        # float16 rounds the smallest bf16 weights (subnormal in float16): close, not equal.
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-2)
+
+    @parameterized.named_parameters(
+        ("truncated", lambda b: b[:len(b) // 2], "incomplete metadata"),
+        ("header_only", lambda b: b[:20], "invalid header length"),
+        ("not_safetensors", lambda b: b"<html>404</html>" * 4, "header too large"),
+        ("empty", lambda b: b"", "header too small"),
+    )
+    def test_unreadable_file_is_named(self, damage, reason):
+        path = os.path.join(self.dir, "model.safetensors")
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(path, "wb") as f:
+            f.write(damage(data))
+        with self.assertRaisesRegex(CheckpointError, rf"^{re.escape(path)}: not a readable "
+                                                     rf"safetensors file \(.*{reason}.*\); the file "
+                                                     r"is truncated or corrupt"):
+            gemma4.from_pretrained(self.dir)
+
+    def test_broken_index_is_named(self):
+        index = os.path.join(self.dir, "model.safetensors.index.json")
+        os.rename(os.path.join(self.dir, "model.safetensors"), os.path.join(self.dir, "shard.safetensors"))
+        for text, pattern in (("{", r"not a safetensors index .*JSONDecodeError"),
+                              ('{"metadata": {}}', r"not a safetensors index .*KeyError"),
+                              ('{"weight_map": {"model.embed_tokens.weight": "gone.safetensors"}}',
+                               r"gone\.safetensors: file not found \(listed in .*index\.json\)")):
+            with open(index, "w") as f:
+                f.write(text)
+            with self.subTest(text), self.assertRaisesRegex(CheckpointError, pattern):
+                gemma4.from_pretrained(self.dir)
+
+    def test_config_that_is_not_json_is_named(self):
+        with open(os.path.join(self.dir, "config.json"), "w") as f:
+            f.write('{"model_type": "gemma4",')
+        with self.assertRaisesRegex(CheckpointError, r"config\.json: not valid JSON"):
+            gemma4.from_pretrained(self.dir)
 
     def test_quantize_and_backend_are_checked(self):
         with self.assertRaisesRegex(ValueError, "quantize='int4' is not supported"):

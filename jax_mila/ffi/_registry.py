@@ -12,10 +12,11 @@ import dataclasses
 import functools
 import importlib
 import logging
-import os
 from typing import Callable
 
 import jax
+
+from jax_mila import _env
 
 log = logging.getLogger("jax_mila")
 
@@ -69,6 +70,7 @@ def _registered_targets() -> frozenset[str]:
     module, _ = _load_extension()
     if module is None:
         return frozenset()
+    _env.check_kernel_knobs()  # the handlers read them once, silently ignoring unknown values
     targets = module.registrations()
     for name, capsule in targets.items():
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
@@ -81,17 +83,7 @@ def build_info() -> dict[str, str]:
 
 
 def disabled_ops() -> frozenset[str]:
-    raw = os.environ.get(DISABLE_ENV, "")
-    names = {n.strip() for n in raw.split(",") if n.strip()}
-    if "all" in names:
-        return frozenset(OPS)
-    unknown = names - set(OPS)
-    if unknown:
-        raise ValueError(
-            f"{DISABLE_ENV}={raw!r} names unknown ops {sorted(unknown)}; "
-            f"known ops: {sorted(OPS)} or 'all'"
-        )
-    return frozenset(names)
+    return _env.names(DISABLE_ENV, OPS, everything="all")
 
 
 def status(op: str, target: str | None = None) -> OpStatus:

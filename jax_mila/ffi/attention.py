@@ -76,7 +76,62 @@ def _route(q, k, v, rotary_keys_only):
     return target, reference.keys_except_rotary(k, v, rotary_keys_only), None
 
 
+def check_arguments(op, q, k, v, scale, causal, window, q_offset, kv_offset,
+                    rotary_keys_only) -> None:
+    """The checks every attention of this contract needs, kernel or reference (nn.Attention
+    runs them too): q [B, T, Hq, D], k and v [B, S, Hkv, D] of one shape, Hq a multiple of Hkv,
+    scale, window, integer offsets within int32, segment starts dividing S, rotary_keys_only.
+    ValueError naming ``op`` and the argument."""
+    for name, x, layout in (("q", q, "[B, T, Hq, D]"), ("k", k, "[B, S, Hkv, D]"),
+                            ("v", v, "[B, S, Hkv, D]")):
+        _checks.check_rank(op, name, x, rank=4, layout=layout)
+    d = q.shape[-1]
+    if k.shape != v.shape:
+        _checks.fail(op, "v", f"shape {list(v.shape)} must equal k's {list(k.shape)}")
+    if k.shape[-1] != d:
+        _checks.fail(op, "k", f"head_dim={k.shape[-1]} must equal q's {d}")
+    if k.shape[0] != q.shape[0]:
+        _checks.fail(op, "k", f"batch {k.shape[0]} must equal q's {q.shape[0]}")
+    hq, hkv = q.shape[2], k.shape[2]
+    if hkv < 1 or hq % hkv:
+        _checks.fail(op, "k", f"Hq={hq} query heads over Hkv={hkv} KV heads is not supported "
+                              f"(Hq must be a multiple of Hkv)")
+    if scale is not None and (isinstance(scale, (bool, str, bytes)) or not _is_real(scale)
+                              or not _checks.finite_in_float32(float(scale))):
+        _checks.fail(op, "scale", f"must be None or a number that float32 holds (the kernels' "
+                                  f"type, finite), got {scale!r}")
+    if window is not None:
+        if not _checks.is_int(window) or not 1 <= window <= np.iinfo(np.int32).max:
+            _checks.fail(op, "window", f"must be None or an int in [1, 2^31 - 1], got {window!r}")
+        if not causal:
+            _checks.fail(op, "window", "a sliding window needs causal=True")
+    for name, off in (("q_offset", q_offset), ("kv_offset", kv_offset)):
+        shape = np.shape(off)
+        dtype = np.result_type(off) if not hasattr(off, "dtype") else np.dtype(off.dtype)
+        if not np.issubdtype(dtype, np.integer) or (name == "q_offset" and shape != ()):
+            _checks.fail(op, name, f"must be an integer scalar, got {dtype} of shape {shape}")
+        # The kernels take int32 positions: a concrete value must fit (jnp.asarray(..., int32)
+        # would wrap it); a traced one is converted as it is.
+        try:
+            values = np.asarray(off)
+        except jax.errors.TracerArrayConversionError:
+            continue
+        for value in values.reshape(-1):
+            _checks.int32_value(op, name, value)
+    segments = np.shape(kv_offset)  # () or (N,): N segment starts
+    if segments != () and (len(segments) != 1 or segments[0] < 1 or k.shape[1] % segments[0]):
+        _checks.fail(op, "kv_offset", f"must be an integer scalar or a vector of N segment "
+                                      f"starts with N dividing S={k.shape[1]}; got shape "
+                                      f"{segments}")
+    r = rotary_keys_only
+    if r is not None and (not _checks.is_int(r) or not 0 <= r <= d // 2):
+        _checks.fail(op, "rotary_keys_only", f"must be None or an int in [0, D/2 = {d // 2}] "
+                                             f"(rotated pairs of the half-split RoPE), got {r!r}")
+
+
 def _validate(q, k, v, scale, causal, window, q_offset, kv_offset, rotary_keys_only) -> None:
+    """check_arguments, and what the kernels add: bf16, non-empty, head dims 256 / 512, grid
+    and int32 limits, at most MAX_GROUPS query heads per KV head, segments at D=512 only."""
     for name, x, layout in (("q", q, "[B, T, Hq, D]"), ("k", k, "[B, S, Hkv, D]"),
                             ("v", v, "[B, S, Hkv, D]")):
         _checks.check_rank(OP, name, x, rank=4, layout=layout)
@@ -86,57 +141,22 @@ def _validate(q, k, v, scale, causal, window, q_offset, kv_offset, rotary_keys_o
     if d not in HEAD_DIMS:
         _checks.fail(OP, "q", f"head_dim={d} is not supported (supported: {HEAD_DIMS}); "
                               f"got q{list(q.shape)}")
-    if k.shape != v.shape:
-        _checks.fail(OP, "v", f"shape {list(v.shape)} must equal k's {list(k.shape)}")
-    if k.shape[-1] != d:
-        _checks.fail(OP, "k", f"head_dim={k.shape[-1]} must equal q's {d}")
-    if k.shape[0] != q.shape[0]:
-        _checks.fail(OP, "k", f"batch {k.shape[0]} must equal q's {q.shape[0]}")
+    check_arguments(OP, q, k, v, scale, causal, window, q_offset, kv_offset, rotary_keys_only)
     hq, hkv = q.shape[2], k.shape[2]
     if q.shape[0] > MAX_BATCH:
         _checks.fail(OP, "q", f"batch {q.shape[0]} is not supported (at most {MAX_BATCH})")
     if hkv > MAX_KV_HEADS:
         _checks.fail(OP, "k", f"Hkv={hkv} KV heads are not supported (at most {MAX_KV_HEADS})")
-    if hq % hkv or hq // hkv > MAX_GROUPS:
+    if hq // hkv > MAX_GROUPS:
         _checks.fail(OP, "k", f"Hq={hq} query heads over Hkv={hkv} KV heads is not supported "
                               f"(Hq must be a multiple of Hkv, at most {MAX_GROUPS} per KV head)")
     if q.shape[1] * (hq // hkv) > np.iinfo(np.int32).max:
         _checks.fail(OP, "q", f"T * Hq / Hkv = {q.shape[1] * (hq // hkv)} packed rows per KV head "
                               f"exceed the kernels' int32 row index; got q{list(q.shape)}")
-    if scale is not None and (isinstance(scale, (bool, str, bytes)) or not _is_real(scale)
-                              or not _checks.finite_in_float32(float(scale))):
-        _checks.fail(OP, "scale", f"must be None or a number that float32 holds (the kernels' "
-                                  f"type, finite), got {scale!r}")
-    if window is not None:
-        if not _checks.is_int(window) or not 1 <= window <= np.iinfo(np.int32).max:
-            _checks.fail(OP, "window", f"must be None or an int in [1, 2^31 - 1], got {window!r}")
-        if not causal:
-            _checks.fail(OP, "window", "a sliding window needs causal=True")
-    for name, off in (("q_offset", q_offset), ("kv_offset", kv_offset)):
-        shape = np.shape(off)
-        dtype = np.result_type(off) if not hasattr(off, "dtype") else np.dtype(off.dtype)
-        if not np.issubdtype(dtype, np.integer) or (name == "q_offset" and shape != ()):
-            _checks.fail(OP, name, f"must be an integer scalar, got {dtype} of shape {shape}")
-        # The kernels take int32 positions: a concrete value must fit (jnp.asarray(..., int32)
-        # would wrap it); a traced one is converted as it is.
-        try:
-            values = np.asarray(off)
-        except jax.errors.TracerArrayConversionError:
-            continue
-        for value in values.reshape(-1):
-            _checks.int32_value(OP, name, value)
-    segments = np.shape(kv_offset)  # () or (N,): N segment starts
-    if segments != () and (len(segments) != 1 or segments[0] < 1 or k.shape[1] % segments[0]):
-        _checks.fail(OP, "kv_offset", f"must be an integer scalar or a vector of N segment "
-                                      f"starts with N dividing S={k.shape[1]}; got shape "
-                                      f"{segments}")
+    segments = np.shape(kv_offset)
     if segments != () and segments[0] > 1 and d != 512:
         _checks.fail(OP, "kv_offset", f"segmented keys ({segments[0]} segment starts) are "
                                       f"supported for head dim 512 only; got head dim {d}")
-    r = rotary_keys_only
-    if r is not None and (not _checks.is_int(r) or not 0 <= r <= d // 2):
-        _checks.fail(OP, "rotary_keys_only", f"must be None or an int in [0, D/2 = {d // 2}] "
-                                             f"(rotated pairs of the half-split RoPE), got {r!r}")
 
 
 def _is_real(x) -> bool:

@@ -13,7 +13,15 @@
 - Writes ``dst/model.safetensors``, or shards of about ``shard_bytes`` (default 4 GiB) plus
   ``model.safetensors.index.json``; at most one shard's tensors are held in memory.
 - Copies config.json (adding ``"jax_mila_quantization": {"format": "mxfp4", "version": 2}``)
-  and the tokenizer / generation files that exist.
+  and the tokenizer / generation files that exist; files with MXFP4 tensors record the format
+  version in their safetensors metadata too (mxfp4_names.METADATA_KEY).
+- Atomic: everything is written to a staging folder beside ``dst`` (``.<dst name>.jax_mila_convert.<pid>``
+  in its parent; inside ``dst`` when the parent is not writable), which becomes ``dst`` by one
+  rename at the end; where ``dst`` already exists its files are moved in, the weights' entry
+  file (model.safetensors or the index) last, so ``dst`` holds a loadable checkpoint only
+  once every file is in place. A convert that fails cleans its staging folder; one that was
+  killed leaves it, and the next convert to the same ``dst`` removes it (and shards of such a
+  run left in ``dst``).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 
 import jax.numpy as jnp
@@ -32,7 +41,7 @@ from jax_mila.gemma4 import loader, mxfp4_names
 from jax_mila.gemma4.config import Gemma4Config
 from jax_mila.gemma4.loader import CheckpointError
 from jax_mila.gemma4.model import Gemma4ForCausalLM
-from jax_mila.quant.mxfp4 import quantize_mxfp4
+from jax_mila.quant.mxfp4 import FORMAT_VERSION, quantize_mxfp4
 
 SHARD_BYTES = 4 << 30
 EXTRA_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
@@ -61,6 +70,80 @@ def _new_file_mode() -> int:
     return 0o666 & ~umask
 
 
+STAGING_TAG = ".jax_mila_convert."  # staging folder: .<dst name>.jax_mila_convert.<pid>
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors$")
+_OLD_PARTIAL_SHARD = re.compile(r"\.jax_mila_shard_\d{5}\.safetensors$")  # older converts, in dst
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove_leftovers(folder: str, prefix: str) -> None:
+    """Removes staging folders ``prefix<pid>`` in ``folder`` whose process is gone (or is this
+    one: a convert of this process to the same place is not running, it failed)."""
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(folder):
+            pid = entry[len(prefix):]
+            if entry.startswith(prefix) and pid.isdigit() and (
+                    int(pid) == os.getpid() or not _alive(int(pid))):
+                shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+
+
+def _staging_dir(dst: str) -> str:
+    """A new, empty staging folder for ``dst`` on its file system (see the module docstring),
+    after removing what killed converts to ``dst`` left."""
+    parent, name = os.path.split(os.path.abspath(dst))
+    os.makedirs(parent, exist_ok=True)
+    prefix = f".{name}{STAGING_TAG}"
+    _remove_leftovers(parent, prefix)
+    if os.path.isdir(dst):
+        _remove_leftovers(dst, STAGING_TAG)
+        for entry in os.listdir(dst):
+            if _OLD_PARTIAL_SHARD.match(entry):
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(dst, entry))
+    try:
+        path = os.path.join(parent, f"{prefix}{os.getpid()}")
+        os.mkdir(path)
+    except PermissionError:
+        if not os.path.isdir(dst):
+            raise
+        path = os.path.join(dst, f"{STAGING_TAG}{os.getpid()}")
+        os.mkdir(path)
+    return path
+
+
+def _entry_files_in(dst: str) -> list[str]:
+    return [f for f in (loader.SINGLE_FILE, loader.INDEX_FILE) if os.path.exists(os.path.join(dst, f))]
+
+
+def _commit(staging: str, dst: str) -> None:
+    """Makes the staging folder's files ``dst``'s: one rename when ``dst`` does not exist (or
+    is empty), else one move per file, the weights' entry file last."""
+    if os.path.dirname(staging) != os.path.abspath(dst):  # staging beside dst, not in it
+        with contextlib.suppress(OSError):
+            os.rename(staging, dst)  # fails when dst exists and is not empty
+            return
+    os.makedirs(dst, exist_ok=True)
+    if _entry_files_in(dst):  # another convert to dst finished meanwhile
+        raise CheckpointError(f"{dst} already holds {_entry_files_in(dst)[0]}; refusing to "
+                              "overwrite it")
+    names = sorted(os.listdir(staging), key=lambda n: (n in (loader.SINGLE_FILE, loader.INDEX_FILE), n))
+    for entry in os.listdir(dst):  # shards of a convert killed while moving its files in
+        if _SHARD_NAME.match(entry) and entry not in names:
+            os.remove(os.path.join(dst, entry))
+    for n in names:
+        shutil.move(os.path.join(staging, n), os.path.join(dst, n))
+    os.rmdir(staging)
+
+
 class _ShardWriter:
     """Collects tensors and writes a shard whenever ~shard_bytes are pending."""
 
@@ -81,7 +164,10 @@ class _ShardWriter:
         if not self.pending:
             return
         tmp = os.path.join(self.dst, f".jax_mila_shard_{len(self.shards):05d}.safetensors")
-        save_file(self.pending, tmp, metadata={"format": "pt"})
+        metadata = {"format": "pt"}
+        if any(mxfp4_names.is_mxfp4_tensor(name) for name in self.pending):
+            metadata[mxfp4_names.METADATA_KEY] = str(FORMAT_VERSION)
+        save_file(self.pending, tmp, metadata=metadata)
         # safetensors writes through a private temporary file (mode 0600); give the shard the
         # mode of the config and tokenizer files written beside it.
         os.chmod(tmp, self.mode)
@@ -89,18 +175,18 @@ class _ShardWriter:
         self.pending, self.pending_bytes = {}, 0
 
     def finish(self) -> list[str]:
-        """Renames the shards to their final names (and writes the index if several)."""
+        """Renames the shards to their final names (and writes the index if several); returns
+        the shards' file names."""
         self.flush()
         if len(self.shards) == 1:
-            final = os.path.join(self.dst, loader.SINGLE_FILE)
-            os.replace(self.shards[0][0], final)
-            return [final]
+            os.replace(self.shards[0][0], os.path.join(self.dst, loader.SINGLE_FILE))
+            return [loader.SINGLE_FILE]
         n, weight_map, files = len(self.shards), {}, []
         for i, (tmp, names) in enumerate(self.shards):
             file = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
             os.replace(tmp, os.path.join(self.dst, file))
             weight_map.update({name: file for name in names})
-            files.append(os.path.join(self.dst, file))
+            files.append(file)
         with open(os.path.join(self.dst, loader.INDEX_FILE), "w") as f:
             json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
         return files
@@ -137,11 +223,16 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quantize="w4a8",
     plan = _plan(model, prefix)
     del model
 
-    os.makedirs(dst, exist_ok=True)
-    writer = _ShardWriter(dst, shard_bytes)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    if quantize == "w4a8":
+        config[mxfp4_names.CONFIG_KEY] = dict(mxfp4_names.FORMAT)
+
+    staging = _staging_dir(dst)
     summary = {"tensors": 0, "quantized": 0, "dense_bytes_of_quantized": 0, "mxfp4_bytes": 0}
     bar = _progress(len(plan), progress)
     try:
+        writer = _ShardWriter(staging, shard_bytes)
         with contextlib.ExitStack() as stack:
             reader = loader._Reader(src, files, stack)
             for name, shape, quantized in plan:
@@ -160,29 +251,25 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quantize="w4a8",
                         summary["mxfp4_bytes"] += t.nbytes
                     summary["quantized"] += 1
                 else:
-                    writer.add(name, reader.read(name, shape))
+                    tensor = reader.read(name, shape)
+                    loader.check_finite(src, name, tensor)  # the loader would refuse it
+                    writer.add(name, tensor)
                 summary["tensors"] += 1
                 bar.update(1)
         out_files = writer.finish()
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        for extra in EXTRA_FILES:
+            if os.path.isfile(os.path.join(src, extra)):
+                shutil.copy(os.path.join(src, extra), os.path.join(staging, extra))
+        _commit(staging, dst)
     except BaseException:
-        for tmp, _ in writer.shards:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
+        shutil.rmtree(staging, ignore_errors=True)
         raise
     finally:
         bar.close()
-
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
-    if quantize == "w4a8":
-        config[mxfp4_names.CONFIG_KEY] = dict(mxfp4_names.FORMAT)
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    for extra in EXTRA_FILES:
-        if os.path.isfile(os.path.join(src, extra)):
-            shutil.copy(os.path.join(src, extra), os.path.join(dst, extra))
-    summary["files"] = out_files
-    summary["bytes_written"] = int(sum(os.path.getsize(f) for f in out_files))
+    summary["files"] = [os.path.join(dst, f) for f in out_files]
+    summary["bytes_written"] = int(sum(os.path.getsize(f) for f in summary["files"]))
     return summary
 
 

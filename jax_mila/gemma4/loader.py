@@ -10,7 +10,10 @@
 - ``quantize="w4a8"``: linears and experts the W4A8 kernels can take are quantized to MXFP4 as
   each tensor is read (or read as stored from a converted checkpoint; names in mxfp4_names.py).
 - Every parameter must come from the checkpoint: a missing or mis-shaped tensor raises
-  CheckpointError naming the tensor, the expected and the found shape.
+  CheckpointError naming the tensor, the expected and the found shape; so does a dense weight
+  stored in a dtype other than FLOAT_DTYPES or holding NaN / inf, an MXFP4 tensor file whose
+  recorded format version is not config.json's, and a file that is missing, truncated or not
+  safetensors (naming the file).
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ import os
 import re
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from jax_mila import nn
 from jax_mila.gemma4 import mxfp4_names
@@ -45,21 +49,49 @@ _SHARED_LAYER_UNUSED = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj\.weight|v_
 DTYPES = ("bfloat16", "float32")
 
 
+# Dtypes a dense weight may be stored in (it is cast to the model's dtype); anything else, an
+# integer tensor where a weight goes above all, is refused rather than cast.
+FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+
+
 class CheckpointError(ValueError):
-    """A checkpoint does not provide a tensor the model needs, or provides it mis-shaped."""
+    """A checkpoint does not provide a tensor the model needs, provides it mis-shaped, in a
+    dtype that is no weight's, with NaN / inf values, or in a file that cannot be read."""
+
+
+def _open(file: str, stack: contextlib.ExitStack | None = None):
+    """safe_open(file), or CheckpointError naming the file when it is missing, truncated or
+    not a safetensors file (safetensors' own error names neither the file nor the fix)."""
+    try:
+        handle = safe_open(file, framework="flax")
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: file not found") from None
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e}); the file is "
+                              "truncated or corrupt: download or convert it again") from None
+    return handle if stack is None else stack.enter_context(handle)
 
 
 def _tensor_files(path: str) -> dict[str, str]:
     """Tensor name -> safetensors file holding it."""
     index = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = {name: os.path.join(path, file) for name, file in weight_map.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index (expected JSON with a "
+                                  f"'weight_map' of tensor name -> file; {type(e).__name__}: "
+                                  f"{e})") from None
+        for file in sorted(set(files.values())):
+            if not os.path.isfile(file):
+                raise CheckpointError(f"{file}: file not found (listed in {index})")
+        return files
     single = os.path.join(path, SINGLE_FILE)
     if not os.path.isfile(single):
         raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
-    with safe_open(single, framework="flax") as f:
+    with _open(single) as f:
         return {name: single for name in f.keys()}
 
 
@@ -123,31 +155,87 @@ class _Reader:
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
-    def read(self, name: str, expected: tuple[int, ...], dtype=None):
-        """The tensor ``name``; CheckpointError naming it when missing or not ``expected``."""
-        if name not in self.files:
-            raise CheckpointError(f"{self.path}: tensor {name} is missing (expected shape {list(expected)})")
+    def _handle(self, name: str):
         file = self.files[name]
         if file not in self.handles:
-            self.handles[file] = self.stack.enter_context(safe_open(file, framework="flax"))
-        tensor = self.handles[file].get_tensor(name)
+            self.handles[file] = _open(file, self.stack)
+        return self.handles[file]
+
+    def metadata(self, name: str) -> dict[str, str]:
+        """The safetensors metadata of the file holding tensor ``name``."""
+        return self._handle(name).metadata() or {}
+
+    def read(self, name: str, expected: tuple[int, ...], dtype=None):
+        """The tensor ``name``; CheckpointError naming it when missing, not of shape
+        ``expected``, or not of ``dtype`` (None: a dense weight, any of FLOAT_DTYPES)."""
+        if name not in self.files:
+            raise CheckpointError(f"{self.path}: tensor {name} is missing (expected shape {list(expected)})")
+        try:
+            tensor = self._handle(name).get_tensor(name)
+        except SafetensorError as e:
+            raise CheckpointError(f"{self.files[name]}: tensor {name} cannot be read ({e}); the "
+                                  "file is truncated or corrupt: download or convert it "
+                                  "again") from None
         if tuple(tensor.shape) != tuple(expected):
             raise CheckpointError(f"{self.path}: tensor {name} has shape {list(tensor.shape)}, "
                                   f"expected {list(expected)}")
-        if dtype is not None and tensor.dtype != dtype:
-            raise CheckpointError(f"{self.path}: tensor {name} has dtype {tensor.dtype}, "
-                                  f"expected {jnp.dtype(dtype).name}")
+        allowed = FLOAT_DTYPES if dtype is None else (jnp.dtype(dtype).name,)
+        if jnp.dtype(tensor.dtype).name not in allowed:
+            raise CheckpointError(f"{self.path}: tensor {name} has dtype "
+                                  f"{jnp.dtype(tensor.dtype).name} (supported: "
+                                  f"{', '.join(allowed)})")
         return tensor
 
 
+def check_finite(path: str, name: str, value) -> None:
+    """CheckpointError naming tensor ``name`` when ``value`` holds NaN or inf (such a weight
+    loads and runs, and every logit downstream of it is NaN)."""
+    if bool(jnp.all(jnp.isfinite(value))):
+        return
+    host = np.asarray(value, np.float32)
+    bad = np.argwhere(~np.isfinite(host))
+    raise CheckpointError(f"{path}: tensor {name} contains {len(bad)} NaN/inf value(s) (in "
+                          f"{jnp.dtype(value.dtype).name}), first at index "
+                          f"{tuple(int(i) for i in bad[0])}; refusing to load it")
+
+
+def check_mxfp4_version(reader: _Reader, name: str, version: int, configured: bool) -> None:
+    """CheckpointError when the file holding MXFP4 tensor ``name`` records (convert writes it in
+    the safetensors metadata, mxfp4_names.METADATA_KEY) another format version than
+    ``version``, the one config.json gives (``configured``) or the current one (config.json
+    without the entry). The packed bytes of versions 1 and 2 differ only in where each sign
+    bit sits, so nothing in the tensors themselves tells them apart: read as the wrong version
+    they load into another model without any error. Files with no record (written before it)
+    are read as config.json says."""
+    recorded = reader.metadata(name).get(mxfp4_names.METADATA_KEY)
+    if recorded is None:
+        return
+    file = reader.files[name]
+    if recorded not in {str(v) for v in mxfp4_names.READ_VERSIONS}:
+        raise CheckpointError(f"{file}: its MXFP4 tensors are of format version {recorded!r} "
+                              f"(safetensors metadata {mxfp4_names.METADATA_KEY}), which this "
+                              f"version does not read (supported: {list(mxfp4_names.READ_VERSIONS)})")
+    if int(recorded) != version:
+        said = (f"config.json's {mxfp4_names.CONFIG_KEY} says version {version}" if configured
+                else f"config.json has no {mxfp4_names.CONFIG_KEY} entry (read as version {version})")
+        raise CheckpointError(
+            f"{file}: its MXFP4 tensors are of format version {recorded} (safetensors metadata "
+            f"{mxfp4_names.METADATA_KEY}), but {said}; read as version {version} they would load "
+            f"as a different model. Put {{\"format\": \"mxfp4\", \"version\": {recorded}}} in "
+            f"config.json's {mxfp4_names.CONFIG_KEY}, or convert the checkpoint again")
+
+
 def read_mxfp4(reader: _Reader, weight_name: str, shape: tuple[int, ...],
-               version: int = FORMAT_VERSION):
+               version: int = FORMAT_VERSION, configured: bool = True):
     """The MXFP4 weight of ``weight_name`` (HF shape [out, in], or [E, out, in] for experts):
     read as stored when the checkpoint holds its three MXFP4 tensors (written by convert;
-    ``version``: the checkpoint's format version, older packed bytes are converted), else
-    quantized from the dense tensor. Returns (MXFP4Weight, names of the tensors read)."""
+    ``version``: the checkpoint's format version, older packed bytes are converted;
+    ``configured``: whether config.json gave it, see check_mxfp4_version), else quantized from
+    the dense tensor. Returns (MXFP4Weight, names of the tensors read)."""
     names = mxfp4_names.tensor_names(weight_name)
     if any(n in reader for n in names.values()):
+        if names["packed"] in reader:
+            check_mxfp4_version(reader, names["packed"], version, configured)
         shapes = mxfp4_names.expected_shapes(shape)
         fields = {f: reader.read(names[f], shapes[f], jnp.uint8) for f in mxfp4_names.FIELDS}
         fields["packed"] = packed_from_version(fields["packed"], version)
@@ -185,7 +273,8 @@ def load_weights(model: Gemma4ForCausalLM, path: str | os.PathLike) -> Gemma4For
         reader = _Reader(path, files, stack)
         for module_path, linear in quantized_linears(model):
             name = linear_weight_name(module_path, prefix)
-            w, names = read_mxfp4(reader, name, weight_shape(linear), version)
+            w, names = read_mxfp4(reader, name, weight_shape(linear), version,
+                                  configured=stored is not None)
             linear.set_mxfp4(w)
             used.update(names)
             del w
@@ -199,8 +288,11 @@ def load_weights(model: Gemma4ForCausalLM, path: str | os.PathLike) -> Gemma4For
                     f"{path}: tensor {name} is stored as MXFP4 ({mxfp4_names.tensor_names(name)['packed']}, "
                     f"...), but the model wants it dense; load this checkpoint with quantize='w4a8'")
             tensor = reader.read(name, hf_shape)
-            value = tensor if perm is None else jnp.transpose(tensor, perm)
-            var.set_value(value.astype(var.get_value().dtype))
+            value = tensor.astype(var.get_value().dtype)
+            # After the cast (float32 values past bf16's range too), before the transpose (the
+            # index it names is the checkpoint's).
+            check_finite(path, name, value)
+            var.set_value(value if perm is None else jnp.transpose(value, perm))
             del tensor, value
             used.add(name)
     _report_unused(files, used, prefix, model.config)

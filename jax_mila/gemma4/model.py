@@ -41,27 +41,34 @@ from jax_mila.parallel import context as cp
 MODES = ("full", "prefill", "decode", "chunk")
 
 
-def check_input_ids(input_ids, vocab_size: int) -> jax.Array:
-    """``input_ids`` [B, S] as int32, once they are known to be integer token ids in
-    [0, vocab_size).
+def check_input_ids(input_ids, vocab_size: int, *, name: str = "input_ids",
+                    rank: int = 2) -> jax.Array:
+    """``input_ids`` [B, S] (``rank=2``; ``rank=1``: a token vector [B], e.g. decode's) as
+    int32, once they are known to be integer token ids in [0, vocab_size), with B >= 1 and
+    S >= 1. ``name`` is the argument the errors name.
 
     Nothing downstream would fail on bad ids: a cast truncates float ids, and the embedding
     gather wraps -1 to the last row and gives non-finite logits past the table. Only concrete
     ids are range-checked: traced ones (inside jit) have no values at trace time, and checking
     them on the device would cost a sync in every jitted step; their dtype is still checked.
     Concrete ids on a device are copied to the host for the check ([B, S] int32, small)."""
+    layout = "[B, S]" if rank == 2 else "[B]"
     ids = input_ids if isinstance(input_ids, jax.Array) else np.asarray(input_ids)
-    if ids.ndim != 2 or ids.shape[1] < 1:
-        raise ValueError(f"input_ids must be int32 [B, S] with S >= 1, got shape {list(ids.shape)}")
+    if ids.ndim != rank or (rank == 2 and ids.shape[1] < 1):
+        raise ValueError(f"{name} must be int32 {layout}" + (" with S >= 1" if rank == 2 else "")
+                         + f", got shape {list(ids.shape)}")
+    if ids.shape[0] < 1:
+        raise ValueError(f"{name}: an empty batch is not supported (B >= 1), got shape "
+                         f"{list(ids.shape)}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise ValueError(f"input_ids must be integer token ids, got dtype {ids.dtype} "
+        raise ValueError(f"{name} must be integer token ids, got dtype {ids.dtype} "
                          "(supported: integer dtypes, cast to int32)")
     if not isinstance(ids, jax.core.Tracer) and getattr(ids, "is_fully_addressable", True):
         host = np.asarray(ids)
         bad = np.unique(host[(host < 0) | (host >= vocab_size)]).tolist()
         if bad:
             shown = f"{bad[:10]}" + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
-            raise ValueError(f"input_ids: {shown} outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"{name}: {shown} outside the vocabulary [0, {vocab_size})")
     return jnp.asarray(ids, jnp.int32)
 
 

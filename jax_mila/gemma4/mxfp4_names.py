@@ -18,8 +18,15 @@ Every other tensor keeps its name, shape and dtype. config.json gains a top-leve
 
 so a loader can tell before reading any tensor that the checkpoint is quantized. The version
 is that of the packed bytes (jax_mila.quant.mxfp4.FORMAT_VERSION); version 1 checkpoints
-(each code's sign in its own nibble) are still read, their packed bytes converted while
-loading (jax_mila.quant.packed_from_version).
+(each code's sign in its own nibble) are still read, their packed
+bytes converted while loading (jax_mila.quant.packed_from_version).
+
+Each safetensors file holding MXFP4 tensors also records their version in its metadata,
+``{"jax_mila_mxfp4_version": "2"}``: versions 1 and 2 differ only in where the sign bits sit,
+so the bytes cannot tell which they are, and a config.json that names the other version (a
+config copied from another checkpoint, or edited) would load them as a different model. The
+loader refuses a file whose record disagrees with config.json; files written before the
+record existed are read as config.json says.
 """
 
 from __future__ import annotations
@@ -34,12 +41,18 @@ SUFFIX = ".weight"
 CONFIG_KEY = "jax_mila_quantization"
 FORMAT = {"format": "mxfp4", "version": FORMAT_VERSION}
 READ_VERSIONS = (1, FORMAT_VERSION)  # versions checkpoint_format accepts
+METADATA_KEY = "jax_mila_mxfp4_version"  # safetensors metadata of files with MXFP4 tensors
 
 
 def tensor_names(weight_name: str) -> dict[str, str]:
     """``model.layers.0.mlp.up_proj.weight`` (or an expert tensor's name,
     ``model.layers.0.experts.down_proj``) -> {field: checkpoint tensor name}."""
     return {f: f"{weight_name}_mxfp4_{f}" for f in FIELDS}
+
+
+def is_mxfp4_tensor(name: str) -> bool:
+    """Whether ``name`` is one of the three tensors of an MXFP4 weight."""
+    return any(name.endswith(f"_mxfp4_{f}") for f in FIELDS)
 
 
 def expected_shapes(shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -57,7 +70,13 @@ def checkpoint_format(path: str | os.PathLike) -> dict | None:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     with open(path) as f:
-        entry = json.load(f).get(CONFIG_KEY)
+        try:
+            config = json.load(f)
+        except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    entry = config.get(CONFIG_KEY)
     if entry is not None and (not isinstance(entry, dict) or entry.get("format") != "mxfp4" or
                               entry.get("version") not in READ_VERSIONS or len(entry) != 2):
         raise ValueError(f"{path}: {CONFIG_KEY}={entry!r} is not a format this version reads "

@@ -34,11 +34,11 @@ KERNEL_MAX_GROUPS = ffi_attention.MAX_GROUPS
 
 
 def kernel_unsupported_reason(q: jax.Array, k: jax.Array, v: jax.Array,
-                              window: int | None, kv_segments: int = 1) -> str | None:
+                              kv_segments: int = 1) -> str | None:
     """Why jax_mila.ffi.flash_attention cannot take this call, or None. The reasons name the
     configuration (head dim, dtype, head grouping, window), never the sequence length, so a
     model logs each once, not once per prompt length. Everything the ffi wrapper rejects with
-    a ValueError for a well-formed call is caught here first."""
+    a ValueError for a call that passed ffi_attention.check_arguments is caught here first."""
     d = q.shape[-1]
     if d not in KERNEL_HEAD_DIMS:
         return f"head_dim={d} (the kernels take head_dim in {KERNEL_HEAD_DIMS})"
@@ -49,11 +49,9 @@ def kernel_unsupported_reason(q: jax.Array, k: jax.Array, v: jax.Array,
         return (f"k/v head_dim {k.shape[-1]}/{v.shape[-1]} differ from q's {d} (the kernels "
                 "need one head_dim and k, v of one shape)")
     hq, hkv = q.shape[2], k.shape[2]
-    if hq % hkv or hq // hkv > KERNEL_MAX_GROUPS:
-        return (f"{hq} query heads over {hkv} KV heads (the kernels take a multiple of the KV "
-                f"heads, at most {KERNEL_MAX_GROUPS} per KV head)")
-    if window is not None and (not is_int(window) or window < 1):
-        return f"window={window!r} (the kernels take None or an int >= 1)"
+    if hq // hkv > KERNEL_MAX_GROUPS:
+        return (f"{hq} query heads over {hkv} KV heads (the kernels take at most "
+                f"{KERNEL_MAX_GROUPS} per KV head)")
     if kv_segments > 1 and d != 512:
         return f"{kv_segments} key segments at head_dim={d} (segmented keys: head_dim 512 only)"
     return None
@@ -85,6 +83,11 @@ class Attention(nnx.Module):
                  q_offset=0, kv_offset=0, return_lse: bool = False):
         """o [B, T, Hq, D]; with return_lse=True also the float32 log-sum-exp [B, Hq, T] (what
         context parallelism merges partial results with, jax_mila/parallel/context.py)."""
+        # The checks of jax_mila.ffi.flash_attention that hold for every backend: a window of
+        # 0 would hide every key (zeros out), a head count not a multiple of the KV heads
+        # would fail deep inside the reference's reshape.
+        ffi_attention.check_arguments("nn.Attention", q, k, v, self.scale, True, window,
+                                      q_offset, kv_offset, self.rotary_keys_only)
         kwargs = dict(scale=self.scale, causal=True, window=window, q_offset=q_offset,
                       kv_offset=kv_offset)
         if return_lse:
@@ -92,8 +95,7 @@ class Attention(nnx.Module):
         if self.rotary_keys_only is not None:
             kwargs["rotary_keys_only"] = self.rotary_keys_only
         if self.backend != "reference":
-            reason = kernel_unsupported_reason(q, k, v, window,
-                                               kv_segments=int(np.size(kv_offset)))
+            reason = kernel_unsupported_reason(q, k, v, kv_segments=int(np.size(kv_offset)))
             if reason is None:
                 # The ffi layer logs its own fallbacks (no GPU, kernel not built or disabled,
                 # D=512 on a GPU without the shared memory).
