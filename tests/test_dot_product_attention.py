@@ -34,7 +34,8 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_mila
-from jax_mila import attention_api, ffi, testing
+from jax_mila import attention_api, ffi
+import testing  # tests/testing.py
 from jax_mila.ffi import _registry
 
 FLOOR = 2.0**-8

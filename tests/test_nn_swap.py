@@ -27,7 +27,8 @@ import numpy as np
 from absl.testing import absltest, parameterized
 from flax import nnx
 
-from jax_mila import ffi, nn, quant, reference, testing
+from jax_mila import ffi, nn, quant, reference
+import testing  # tests/testing.py
 from jax_mila.ffi import _registry
 from jax_mila.nn import swap as swap_mod
 from jax_mila.nn.linear import MXFP4Param
