@@ -128,7 +128,7 @@ def kernel_plan(query, key, value, bias=None, mask=None, *, scale=None, is_causa
     if not np.isfinite(np.float32(scale)) or not np.isfinite(scale):
         return None, f"scale={scale!r} (the kernels take a scale finite in float32)"
 
-    reason = kernel_unsupported_reason(q, k, v, window)
+    reason = kernel_unsupported_reason(q, k, v)
     if reason is not None:
         return None, reason
     g = n // k.shape[2]

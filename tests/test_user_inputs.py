@@ -93,7 +93,7 @@ class EnvKnobTest(parameterized.TestCase):
                         read |= set(re.findall(r"getenv\(\"(JAX_MILA_\w+)\"\)", text))
                         read |= set(re.findall(r"environ\.get\(\"(JAX_MILA_\w+)\"", text))
                         read |= set(re.findall(r"_ENV = \"(JAX_MILA_\w+)\"", text))
-        self.assertGreater(len(read), 5)
+        self.assertGreaterEqual(len(read), 3)  # the registry's and the prefill pieces' knobs
         self.assertEqual(read - known, set())
 
 
