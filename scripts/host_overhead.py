@@ -8,7 +8,7 @@ how long each chunk's dispatch takes against the device's time per chunk.
 Two ways of passing the model to the chunk step, side by side:
 - graph: nnx.split(model) -> (GraphDef, State), the GraphDef a static argument that jit hashes
   and compares at every call;
-- tree: generate.model_args(model), what prefill passes: the model's pytree treedef
+- tree: jitted.model_args(model), what prefill passes: the model's pytree treedef
   (static, cheap to hash) and its array leaves, one flatten per prefill call.
 "prepare" is the per-call cost of taking the model apart; the dispatch columns are each chunk's
 step call, until it returns (the device runs asynchronously).
@@ -25,7 +25,6 @@ without a donated argument, to tell per-argument cost from the step's own launch
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import time
 
@@ -34,12 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_mila import gemma4
+from jax_mila.engine import jitted
 from jax_mila.gemma4 import cache as kv
 from jax_mila.gemma4 import random_init
 from jax_mila.gemma4.config import Gemma4Config
 from jax_mila.gemma4.paths import model_card
-
-generate = importlib.import_module("jax_mila.gemma4.generate")
 
 SMALL_WIDTHS = dict(hidden_size=256, intermediate_size=512, vocab_size=1024)
 
@@ -123,17 +122,17 @@ def main() -> None:
     model = random_init.random_model(_config(args.model, args.small), quantize="w4a8")
     ids = jnp.asarray(np.random.default_rng(0).integers(3, model.config.vocab_size,
                                                         (1, args.seq), dtype=np.int32))
-    jax.block_until_ready(generate.prefill(model, ids, chunk_size=args.chunk))  # compile
+    jax.block_until_ready(gemma4.prefill(model, ids, chunk_size=args.chunk))  # compile
 
     split_ms, (graphdef, state) = _best_ms(lambda: nnx.split(model), args.reps)
     hash_ms, _ = _best_ms(lambda: hash(graphdef), args.reps)
     other, _ = nnx.split(model)
     eq_ms, _ = _best_ms(lambda: graphdef == other, args.reps)
     flatten_ms, _ = _best_ms(lambda: jax.tree.flatten(state), args.reps)
-    args_ms, (treedef, leaves) = _best_ms(lambda: generate.model_args(model), args.reps)
+    args_ms, (treedef, leaves) = _best_ms(lambda: jitted.model_args(model), args.reps)
     tree_mode = isinstance(treedef, jax.tree_util.PyTreeDef)
     tree_hash_ms, _ = _best_ms(lambda: hash(treedef), args.reps)
-    other, _ = generate.model_args(model)
+    other, _ = jitted.model_args(model)
     tree_eq_ms, _ = _best_ms(lambda: treedef == other, args.reps)
     print(f"| nnx.split | {split_ms:.1f} ms | leaves {len(jax.tree.leaves(state))} |")
     print(f"| hash(graphdef) | {hash_ms:.1f} ms | |")
@@ -144,8 +143,8 @@ def main() -> None:
     print(f"| hash(treedef) | {tree_hash_ms:.2f} ms | |")
     print(f"| treedef == treedef | {tree_eq_ms:.2f} ms | |")
 
-    step = generate.chunk_step_fn(model)
-    paths = {"graph": lambda: nnx.split(model), "tree": lambda: generate.model_args(model)}
+    step = jitted.chunk_step_fn(model)
+    paths = {"graph": lambda: nnx.split(model), "tree": lambda: jitted.model_args(model)}
     _chunks(model, step, paths["graph"], ids, args.chunk)  # compiles the graph path's step
     for rep in range(args.reps):
         for name, prepare in paths.items():

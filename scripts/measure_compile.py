@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_mila import gemma4
-from jax_mila.gemma4.generate import _decode, _forward, _prefill, model_args
+from jax_mila.engine.jitted import decode_steps, forward_step, model_args, prefill_step
 
 
 def measure(size: str, seq: int, dtype, compile_: bool, what: str) -> dict:
@@ -25,14 +25,14 @@ def measure(size: str, seq: int, dtype, compile_: bool, what: str) -> dict:
     ids = jax.ShapeDtypeStruct((1, seq), jnp.int32)
     t1 = time.perf_counter()
     if what == "forward":
-        lowered = _forward.lower(structure, weights, ids)
+        lowered = forward_step.lower(structure, weights, ids)
     elif what == "prefill":
-        lowered = _prefill.lower(structure, weights, ids, seq)
+        lowered = prefill_step.lower(structure, weights, ids, seq)
     else:  # decode: a scan of 8 greedy steps over a cache sized for seq positions
-        _, cache = jax.eval_shape(lambda w, x: _prefill(structure, w, x, seq), weights,
+        _, cache = jax.eval_shape(lambda w, x: prefill_step(structure, w, x, seq), weights,
                                   jax.ShapeDtypeStruct((1, seq - 8), jnp.int32))
         token = jax.ShapeDtypeStruct((1,), jnp.int32)
-        lowered = _decode.lower(structure, weights, cache, token, 8)
+        lowered = decode_steps.lower(structure, weights, cache, token, 8)
     t2 = time.perf_counter()
     row = dict(size=size, what=what, layers=cfg.num_hidden_layers, seq=seq,
                build_s=round(t1 - t0, 2), lower_s=round(t2 - t1, 2))
