@@ -16,9 +16,9 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_mila import gemma4
-from jax_mila.gemma4 import cache as kv
+from jax_mila import gemma4, parallel
 from jax_mila.engine import sharded
+from jax_mila.gemma4 import cache as kv
 from jax_mila.gemma4.config import Gemma4Config
 from jax_mila.parallel import Layout, chunked
 
@@ -422,6 +422,24 @@ class ChunkedContextParallelTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "capacity 13 is not a multiple of devices x "
                                                 "segments = 4"):
             chunked.slot_positions(13, 2, 2)
+        zigzag = Layout(seq_axis="seq", seq_split="zigzag")
+        with self.assertRaisesRegex(ValueError, "context parallelism runs mode 'full' only"):
+            model.hidden_states(ids, mode="prefill", max_len=8, layout=zigzag)
+
+    def test_layout_refusals(self):
+        self.assertEqual(Layout(), parallel.SINGLE_DEVICE)
+        with self.assertRaisesRegex(ValueError, r"seq_split='ring' \(supported: \(None, "
+                                                r"'zigzag', 'chunk'\)\)"):
+            Layout(seq_axis="seq", seq_split="ring")
+        with self.assertRaisesRegex(ValueError, "seq_axis='seq' and seq_split=None: name both "
+                                                "or neither"):
+            Layout(seq_axis="seq")
+        with self.assertRaisesRegex(ValueError, "segments per device must be an even int >= 2"):
+            Layout(seq_axis="seq", seq_split="chunk", segments=3)
+        with self.assertRaisesRegex(ValueError, "segments=2 is for seq_split 'chunk' only"):
+            Layout(seq_axis="seq", seq_split="zigzag", segments=2)
+        with self.assertRaisesRegex(ValueError, "one axis 'x' for heads and sequence"):
+            Layout(heads_axis="x", seq_axis="x", seq_split="zigzag")
 
 
 if __name__ == "__main__":
