@@ -178,7 +178,7 @@ def _warn_past_max_positions(cfg, length: int, new: int) -> None:
 
 
 def _chunking(model, batch, length, cap, args) -> str:
-    from jax_mila.gemma4.generate import default_chunk_size
+    from jax_mila.engine.plan import default_chunk_size
 
     if args.chunk_size:
         return f"chunks of {args.chunk_size}"

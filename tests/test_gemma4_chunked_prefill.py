@@ -16,7 +16,6 @@ the same for forward, the one-shot prefill and decode.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import json
 import re
@@ -30,12 +29,12 @@ from flax import nnx
 
 from jax_mila import gemma4
 from jax_mila.__main__ import main
+from jax_mila.engine import jitted, plan
 from jax_mila.gemma4 import cache as kv
 from jax_mila.gemma4.mlp import Gemma4MLP
 from jax_mila.nn.linear import MXFP4Param
 from test_gemma4_generate import S, F, TINY, tiny_model
 
-gen = importlib.import_module("jax_mila.gemma4.generate")  # the module (gemma4.generate is the function)
 
 CONFIGS = {
     "generate_suite_w3": dict(),
@@ -163,7 +162,7 @@ class ChunkedPrefillTest(parameterized.TestCase):
 
     def test_one_compile_for_all_chunks(self):
         model = tiny_model()
-        before = gen.chunk_step_fn(model)._cache_size()
+        before = jitted.chunk_step_fn(model)._cache_size()
         ids = prompt(0, 33)  # 5 chunks of 7, the last one padded (5 real tokens)
         ref, _ = gemma4.prefill(model, ids, max_cache_len=40)
         logits, cache = gemma4.prefill(model, ids, chunk_size=7, max_cache_len=40)
@@ -171,7 +170,7 @@ class ChunkedPrefillTest(parameterized.TestCase):
         assert_close_logits(logits, ref)
         # Another prompt length (3 chunks, last with 1 real token) reuses the same step.
         gemma4.prefill(model, ids[:, :15], chunk_size=7, max_cache_len=40)
-        self.assertEqual(gen.chunk_step_fn(model)._cache_size() - before, 1)
+        self.assertEqual(jitted.chunk_step_fn(model)._cache_size() - before, 1)
 
     def test_the_head_runs_once_after_the_chunks(self):
         # Each chunk step returns the last real token's hidden state; prefill applies the output
@@ -180,11 +179,11 @@ class ChunkedPrefillTest(parameterized.TestCase):
         ids = prompt(0, 11)
         ref, _ = gemma4.prefill(model, ids, max_cache_len=12)
         steps, heads = [], []
-        step, head = gen.chunk_step_fn(model), gen._head_fn(model)
+        step, head = jitted.chunk_step_fn(model), jitted.head_fn(model)
         record_step = lambda *a: _recorded(step, steps, *a)  # noqa: E731
         record_head = lambda *a: _recorded(head, heads, *a)  # noqa: E731
-        with mock.patch.object(gen, "chunk_step_fn", return_value=record_step), \
-             mock.patch.object(gen, "_head_fn", return_value=record_head):
+        with mock.patch.object(jitted, "chunk_step_fn", return_value=record_step), \
+             mock.patch.object(jitted, "head_fn", return_value=record_head):
             logits, _ = gemma4.prefill(model, ids, chunk_size=4, max_cache_len=12)
         self.assertEqual(len(steps), 3)
         hidden = (ids.shape[0], model.config.hidden_size)  # not the vocabulary's logits
@@ -192,7 +191,8 @@ class ChunkedPrefillTest(parameterized.TestCase):
         self.assertEqual([out[0].shape for out in steps], [hidden] * 3)
         self.assertEqual(len(heads), 1)
         assert_close_logits(logits, ref)
-        self.assertIs(head, gen._head_kernels if model.backend != "reference" else gen._head)
+        self.assertIs(head, jitted._head_kernels if model.backend != "reference"
+                      else jitted._head_reference)
 
     def test_progress_bar(self):
         model = tiny_model()
@@ -208,26 +208,26 @@ class ChunkedPrefillTest(parameterized.TestCase):
         model = tiny_model()
         cpu = mock.Mock(memory_stats=mock.Mock(return_value=None))
         with mock.patch.object(jax, "devices", return_value=[cpu]):
-            self.assertEqual(gen.default_chunk_size(model, 1, 100), gen.DEFAULT_CHUNK)
+            self.assertEqual(plan.default_chunk_size(model, 1, 100), plan.DEFAULT_CHUNK)
         # 64 MiB free less a ~1 KiB cache; the widest activation is the global layers' query
         # heads (4 x 32 float32 values). Not on the kernels (a mock device), so a token costs
         # 16 * 128 * 4 bytes plus 12 bytes of scores per head and position (4 x 1): half of
         # the free memory over that is 4072 tokens, rounded down to a power of two.
         gpu = mock.Mock(memory_stats=mock.Mock(return_value=dict(bytes_limit=2**26, bytes_in_use=0)))
         with mock.patch.object(jax, "devices", return_value=[gpu]):
-            self.assertEqual(gen.default_chunk_size(model, 1, 1), 2048)
-            self.assertEqual(gen.default_chunk_size(model, 64, 1), gen.MIN_CHUNK)
+            self.assertEqual(plan.default_chunk_size(model, 1, 1), 2048)
+            self.assertEqual(plan.default_chunk_size(model, 64, 1), plan.MIN_CHUNK)
         # chunk_size=None chunks a prompt longer than the default chunk. The default is patched
         # where prefill takes it: on a GPU the plan comes from the device's free memory (far
         # above 9 tokens, so the prompt would go through the one-shot prefill), not from
         # DEFAULT_CHUNK as on a device without memory figures.
         ids = prompt(0, 9)
         ref, _ = gemma4.prefill(model, ids)
-        before = gen.chunk_step_fn(model)._cache_size()
-        with mock.patch.object(gen, "default_chunk_size", return_value=4) as plan:
+        before = jitted.chunk_step_fn(model)._cache_size()
+        with mock.patch.object(plan, "default_chunk_size", return_value=4) as planned:
             logits, cache = gemma4.prefill(model, ids)
-        plan.assert_called_once()
-        self.assertEqual(gen.chunk_step_fn(model)._cache_size() - before, 1)
+        planned.assert_called_once()
+        self.assertEqual(jitted.chunk_step_fn(model)._cache_size() - before, 1)
         assert_close_logits(logits, ref)
 
     def test_default_chunk_size_keeps_the_wide_margin_where_unmeasured(self):
@@ -238,23 +238,23 @@ class ChunkedPrefillTest(parameterized.TestCase):
         dense = tiny_model(num_kv_shared_layers=0, hidden_size_per_layer_input=0)
         gpu = mock.Mock(memory_stats=mock.Mock(return_value=dict(bytes_limit=2**23, bytes_in_use=0)))
         with mock.patch.object(jax, "devices", return_value=[gpu]), \
-             mock.patch.object(gen, "_attention_on_kernels", return_value=True):
-            plans = [gen.default_chunk_size(m, 1, 64) for m in (ple, dense)]
+             mock.patch.object(plan, "_attention_on_kernels", return_value=True):
+            plans = [plan.default_chunk_size(m, 1, 64) for m in (ple, dense)]
         self.assertEqual(plans[1], 2 * plans[0])
-        self.assertGreater(plans[0], gen.MIN_CHUNK)
-        self.assertLess(plans[1], gen.MAX_CHUNK)
+        self.assertGreater(plans[0], plan.MIN_CHUNK)
+        self.assertLess(plans[1], plan.MAX_CHUNK)
 
     def test_chunk_spans(self):
-        self.assertEqual(gen.chunk_spans(64, 32), [32, 32])
-        self.assertEqual(gen.chunk_spans(65, 32), [32, 32, 32])  # padded to the chunk
-        with mock.patch.object(gen, "MIN_CHUNK", 4):
-            self.assertEqual(gen.chunk_spans(65, 32, short_tail=True), [32, 32, 4])
-            self.assertEqual(gen.chunk_spans(69, 32, short_tail=True), [32, 32, 8])
-            self.assertEqual(gen.chunk_spans(81, 32, short_tail=True), [32, 32, 32])  # 17 -> 32
-            self.assertEqual(gen.chunk_spans(69, 32, short_tail=True, multiple=3), [32, 32, 9])
-            self.assertEqual(gen.chunk_spans(3, 32, short_tail=True), [4])
-        self.assertEqual(gen.chunk_spans(40000, 32768, short_tail=True), [32768, 8192])
-        self.assertEqual(gen.chunk_spans(32769, 32768, short_tail=True), [32768, gen.MIN_CHUNK])
+        self.assertEqual(plan.chunk_spans(64, 32), [32, 32])
+        self.assertEqual(plan.chunk_spans(65, 32), [32, 32, 32])  # padded to the chunk
+        with mock.patch.object(plan, "MIN_CHUNK", 4):
+            self.assertEqual(plan.chunk_spans(65, 32, short_tail=True), [32, 32, 4])
+            self.assertEqual(plan.chunk_spans(69, 32, short_tail=True), [32, 32, 8])
+            self.assertEqual(plan.chunk_spans(81, 32, short_tail=True), [32, 32, 32])  # 17 -> 32
+            self.assertEqual(plan.chunk_spans(69, 32, short_tail=True, multiple=3), [32, 32, 9])
+            self.assertEqual(plan.chunk_spans(3, 32, short_tail=True), [4])
+        self.assertEqual(plan.chunk_spans(40000, 32768, short_tail=True), [32768, 8192])
+        self.assertEqual(plan.chunk_spans(32769, 32768, short_tail=True), [32768, plan.MIN_CHUNK])
 
     def test_default_chunks_end_in_a_short_tail(self):
         # chunk_size=None: whole chunks of the plan, then the 3 tokens left in a chunk of 4
@@ -264,16 +264,16 @@ class ChunkedPrefillTest(parameterized.TestCase):
         ids = prompt(0, 19)
         ref, _ = gemma4.prefill(model, ids, max_cache_len=24)
         padded_logits, padded_cache = gemma4.prefill(model, ids, chunk_size=8, max_cache_len=24)
-        widths, step = [], gen.chunk_step_fn(model)
+        widths, step = [], jitted.chunk_step_fn(model)
         before = step._cache_size()
 
         def record(*args):
             widths.append(args[3].shape[1])  # (structure, state, cache, ids, valid)
             return step(*args)
 
-        with mock.patch.object(gen, "default_chunk_size", return_value=8), \
-             mock.patch.object(gen, "MIN_CHUNK", 2), \
-             mock.patch.object(gen, "chunk_step_fn", return_value=record):
+        with mock.patch.object(plan, "default_chunk_size", return_value=8), \
+             mock.patch.object(plan, "MIN_CHUNK", 2), \
+             mock.patch.object(jitted, "chunk_step_fn", return_value=record):
             logits, cache = gemma4.prefill(model, ids, max_cache_len=24)
         self.assertEqual(widths, [8, 8, 4])
         self.assertEqual(step._cache_size() - before, 1)  # the tail (chunks of 8: compiled above)
@@ -299,8 +299,8 @@ class ChunkedPrefillTest(parameterized.TestCase):
         gpu = mock.Mock(memory_stats=mock.Mock(return_value=stats))
         model = self.card_model(name)
         with mock.patch.object(jax, "devices", return_value=[gpu]), \
-             mock.patch.object(gen, "_attention_on_kernels", return_value=kernels):
-            return [gen.default_chunk_size(model, 1, n, memory_limit=int(budget_gib * 2**30))
+             mock.patch.object(plan, "_attention_on_kernels", return_value=kernels):
+            return [plan.default_chunk_size(model, 1, n, memory_limit=int(budget_gib * 2**30))
                     for n in lengths]
 
     def test_default_chunk_size_for_the_12b_at_64k(self):
@@ -310,14 +310,14 @@ class ChunkedPrefillTest(parameterized.TestCase):
         # more than half the free memory: the plan must pick the first two. Through XLA the
         # float32 scores cost 12.3 MiB per chunk token at 64K: the smallest chunk.
         self.assertEqual(self.plans("12b", 7.27, 12, (32768, 65536, 131072)), [16384, 8192, 8192])
-        self.assertEqual(self.plans("12b", 7.27, 12, (65536,), kernels=False), [gen.MIN_CHUNK])
+        self.assertEqual(self.plans("12b", 7.27, 12, (65536,), kernels=False), [plan.MIN_CHUNK])
 
     def test_default_chunk_size_reserves_a_layer_of_the_cache(self):
         # 31B at 128K on one H200 (17.12 GiB of weights, a 10.78 GiB cache) held 0.8 GiB more
         # than its chunk's share at chunk 4096 (29.23 GiB peak). Under a 30 GiB budget the plan
         # without the reserve would be 4096, at 0.77 GiB of margin; with it, 2048.
         self.assertEqual(self.plans("31b", 17.12, 30, (131072,)), [2048])
-        with mock.patch.object(gen, "KV_RESERVE_LAYERS", 0):
+        with mock.patch.object(plan, "KV_RESERVE_LAYERS", 0):
             self.assertEqual(self.plans("31b", 17.12, 30, (131072,)), [4096])
 
     def test_bf16_kernel_head_dims_through_ffi(self):
@@ -347,8 +347,8 @@ class ChunkedPrefillTest(parameterized.TestCase):
     def test_fp8_cache_for_full_layers(self, chunk):
         model = tiny_model(seed=3)
         ids = prompt(3, 13)
-        want, ref_cache = gen.prefill(model, ids, chunk_size=chunk)
-        got, cache = gen.prefill(model, ids, chunk_size=chunk, kv_cache_dtype="float8_e4m3fn")
+        want, ref_cache = gemma4.prefill(model, ids, chunk_size=chunk)
+        got, cache = gemma4.prefill(model, ids, chunk_size=chunk, kv_cache_dtype="float8_e4m3fn")
         for spec, k, v in zip(model.config.layers, cache.keys, cache.values):
             if k is not None:
                 want_dtype = model.dtype if spec.is_sliding else jnp.float8_e4m3fn
@@ -359,7 +359,7 @@ class ChunkedPrefillTest(parameterized.TestCase):
         cos = np.sum(a * b, -1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
         self.assertGreater(float(cos.min()), 0.99)
         self.assertFalse(np.array_equal(a, b), "the FP8 cache changed nothing: not in use?")
-        tokens = gen.generate(model, ids, NEW_TOKENS, chunk_size=chunk,
+        tokens = gemma4.generate(model, ids, NEW_TOKENS, chunk_size=chunk,
                               kv_cache_dtype="float8_e4m3fn")  # decode reads and appends FP8
         self.assertEqual(tokens.shape, (2, NEW_TOKENS))
 
@@ -422,11 +422,11 @@ class TreeModeStepTest(parameterized.TestCase):
     """The chunk step on the model as a pytree (model_args) against nnx.split."""
 
     def prefill(self, model, ids, **kw):
-        return gen.prefill(model, ids, chunk_size=4, max_cache_len=16, **kw)
+        return gemma4.prefill(model, ids, chunk_size=4, max_cache_len=16, **kw)
 
     def prefill_compiled(self, model, ids):
         """A tree-mode prefill that finds its step compiled already."""
-        step = gen.chunk_step_fn(model)
+        step = jitted.chunk_step_fn(model)
         before = step._cache_size()
         out = self.prefill(model, ids)
         self.assertEqual(step._cache_size(), before, "the step recompiled")
@@ -447,7 +447,7 @@ class TreeModeStepTest(parameterized.TestCase):
         model = build()
         if build is w4a8_model:
             self.assertNotEmpty(jax.tree.leaves(nnx.state(model, MXFP4Param)))
-        structure, leaves = gen.model_args(model)
+        structure, leaves = jitted.model_args(model)
         self.assertIsInstance(structure, jax.tree_util.PyTreeDef)
         # Exactly the state's arrays: no attribute that is not a Variable became a leaf.
         state = jax.tree.leaves(nnx.state(model))
@@ -463,7 +463,7 @@ class TreeModeStepTest(parameterized.TestCase):
         shared = model.layers[0].input_layernorm.weight
         shared.set_value(jnp.linspace(0.5, 1.5, shared.shape[0]))
         model.layers[1].input_layernorm.weight = shared
-        _, leaves = gen.model_args(model)
+        _, leaves = jitted.model_args(model)
         self.assertLen(leaves, len(jax.tree.leaves(nnx.state(model))) + 1)  # the array twice
         ids = prompt(0, 11)
         tree = self.prefill(model, ids)
@@ -499,7 +499,7 @@ class TreeModeStepTest(parameterized.TestCase):
         ids = prompt(0, 11)
         first = self.prefill(model, ids)
         model.norm.eps = 0.5  # a float attribute: part of the treedef, so a new compile
-        step = gen.chunk_step_fn(model)
+        step = jitted.chunk_step_fn(model)
         before = step._cache_size()
         changed = self.prefill(model, ids)
         self.assertEqual(step._cache_size(), before + 1)
@@ -511,7 +511,7 @@ class TreeModeStepTest(parameterized.TestCase):
         want = self.prefill(model, ids)
         for error in (None, TypeError("no pytree")):
             with self.subTest(error=error), without_tree_mode(model, error):
-                structure, _ = gen.model_args(model)
+                structure, _ = jitted.model_args(model)
                 self.assertIsInstance(structure, nnx.GraphDef)
                 assert_same_bits(self, self.prefill(model, ids), want)
 
@@ -520,24 +520,25 @@ class TreeModeStepTest(parameterized.TestCase):
                 self.w = nnx.Param(jnp.ones(3))
 
         model.extra = Opaque()
-        structure, _ = gen.model_args(model)
+        structure, _ = jitted.model_args(model)
         self.assertIsInstance(structure, nnx.GraphDef)
         assert_same_bits(self, self.prefill(model, ids), want)
 
 
 def _decode_setup(model, ids):
-    logits, cache = gen.prefill(model, ids, max_cache_len=16)
+    logits, cache = gemma4.prefill(model, ids, max_cache_len=16)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
 
 # forward, the one-shot prefill and decode: (their jitted step, setup(model, ids) -> inputs
 # made once, call(model, ids, inputs) -> outputs).
 ENTRY_POINTS = {
-    "forward": ("_forward", lambda model, ids: (), lambda model, ids, _: gen.forward(model, ids)),
-    "prefill": ("_prefill", lambda model, ids: (),
-                lambda model, ids, _: gen.prefill(model, ids, max_cache_len=16)),
-    "decode": ("_decode", _decode_setup,
-               lambda model, ids, inputs: gen.decode(model, *inputs, 3)),
+    "forward": ("forward_step", lambda model, ids: (),
+                lambda model, ids, _: gemma4.forward(model, ids)),
+    "prefill": ("prefill_step", lambda model, ids: (),
+                lambda model, ids, _: gemma4.prefill(model, ids, max_cache_len=16)),
+    "decode": ("decode_steps", _decode_setup,
+               lambda model, ids, inputs: gemma4.decode(model, *inputs, 3)),
 }
 
 
@@ -554,8 +555,8 @@ class TreeModeEntryPointsTest(parameterized.TestCase):
     def run_both(self, name, model, ids, inputs):
         """(tree-mode outputs, graph-mode outputs, compiles of the step), each on its own copy
         of ``inputs`` (decode donates its cache). Tree mode never calls nnx.split."""
-        jitted, _, call = ENTRY_POINTS[name]
-        step = getattr(gen, jitted)
+        step_name, _, call = ENTRY_POINTS[name]
+        step = getattr(jitted, step_name)
         before = step._cache_size()
         with mock.patch.object(nnx, "split", wraps=nnx.split) as split:
             tree = call(model, ids, jax.tree.map(jnp.copy, inputs))

@@ -143,11 +143,11 @@ class GenerateTest(parameterized.TestCase):
     def test_forward_compiles_once_per_shape(self):
         model = tiny_model()
         ids = jnp.zeros((1, 6), jnp.int32)
-        from jax_mila.gemma4.generate import _forward
-        before = _forward._cache_size()
+        from jax_mila.engine.jitted import forward_step
+        before = forward_step._cache_size()
         gemma4.forward(model, ids)
         gemma4.forward(model, ids + 1)
-        self.assertEqual(_forward._cache_size() - before, 1)
+        self.assertEqual(forward_step._cache_size() - before, 1)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from flax import nnx
 
 from jax_mila import ffi, reference
 from jax_mila.gemma4.mlp import Gemma4MLP, gelu_tanh
-from jax_mila.parallel.tensor import tensor_parallel
+from jax_mila.parallel import Layout
 import testing  # tests/testing.py
 
 HIDDEN, INTERMEDIATE = 256, 512
@@ -100,8 +100,7 @@ class FusedGegluMlpTest(parameterized.TestCase):
     def test_mixed_backends_and_tensor_parallelism_keep_the_unfused_expression(self):
         m = _mlp()
         self.assertTrue(m.fuses_geglu())
-        with tensor_parallel("heads"):
-            self.assertFalse(m.fuses_geglu())
+        self.assertFalse(m.fuses_geglu(Layout(heads_axis="heads")))
         m.down_proj.backend = "reference"
         self.assertFalse(m.fuses_geglu())
 

@@ -19,7 +19,7 @@ from flax import nnx
 from jax_mila import ffi, gemma4, nn, reference
 from jax_mila.gemma4.config import Gemma4Config
 from jax_mila.gemma4.model import Gemma4DecoderLayer
-from jax_mila.parallel.tensor import tensor_parallel
+from jax_mila.parallel import Layout
 import testing  # tests/testing.py
 
 S, F = "sliding_attention", "full_attention"
@@ -65,8 +65,8 @@ def _ids(model, shape=(2, 11)):
 
 def _unfused():
     """Every decoder layer on its unfused path."""
-    return mock.patch.multiple(Gemma4DecoderLayer, fuses_input_norm=lambda self, dtype: False,
-                               fuses_pre_feedforward_norm=lambda self, dtype, b: False)
+    return mock.patch.multiple(Gemma4DecoderLayer, fuses_input_norm=lambda *args: False,
+                               fuses_pre_feedforward_norm=lambda *args: False)
 
 
 class FusedNormsTest(parameterized.TestCase):
@@ -151,9 +151,9 @@ class FusedNormsTest(parameterized.TestCase):
         model = _model()
         layer = model.layers[0]
         bf16 = jnp.bfloat16
-        with tensor_parallel("heads"):
-            self.assertFalse(layer.fuses_input_norm(bf16))
-            self.assertFalse(layer.fuses_pre_feedforward_norm(bf16, bf16))
+        tp = Layout(heads_axis="heads")
+        self.assertFalse(layer.fuses_input_norm(bf16, tp))
+        self.assertFalse(layer.fuses_pre_feedforward_norm(bf16, bf16, tp))
         self.assertFalse(layer.fuses_pre_feedforward_norm(bf16, jnp.float32))
         layer.self_attn.k_proj.backend = "reference"    # q/k/v on two backends
         self.assertFalse(layer.fuses_input_norm(bf16))

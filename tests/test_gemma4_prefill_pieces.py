@@ -1,5 +1,5 @@
-"""The chunked prefill in layer pieces (jax_mila.gemma4.pieces) computes what the one-step
-chunk computes (JAX_MILA_PREFILL_ONE_STEP=1), applies only where a layer reads nothing but its
+"""The chunked prefill in layer pieces (jax_mila.engine.pieces) computes what the one-step
+chunk computes (prefill(piece_layers=None)), applies only where a layer reads nothing but its
 own cache entry and the previous hidden state, and reads the model's current weights.
 
 Tiny random models on the reference backend (CPU): 12B-like (sliding and full layers, K=V full
@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import os
 from unittest import mock
 
 import jax
@@ -22,7 +20,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from jax_mila import gemma4
-from jax_mila.gemma4 import pieces
+from jax_mila.engine import jitted, pieces, plan
 from test_gemma4_chunked_prefill import assert_close_logits, assert_same_cache, prompt
 from test_gemma4_generate import F, S, tiny_model
 
@@ -33,12 +31,7 @@ MOE = dict(sliding_window=5, num_hidden_layers=4, layer_types=[S, S, F, F],
            moe_intermediate_size=16, hidden_size_per_layer_input=0)
 
 
-def one_step():
-    # What JAX_MILA_PREFILL_ONE_STEP=1 does (test_applies_only_without_ple_or_kv_sharing checks
-    # the variable itself). Not through os.environ: mock.patch.dict clears and refills the
-    # environment on exit, and on a GPU a runtime thread reading it meanwhile crashed the
-    # process once (a segfault in the refill, H200).
-    return mock.patch.object(pieces, "applies", return_value=False)
+ONE_STEP = dict(piece_layers=None)  # each chunk as one jitted step
 
 
 class PiecesTest(parameterized.TestCase):
@@ -50,10 +43,12 @@ class PiecesTest(parameterized.TestCase):
         self.assertEqual(pieces.bounds(1), [(0, 1)])
         self.assertEqual(pieces.bounds(0), [])
         self.assertEqual(pieces.bounds(48, 23), [(0, 2), (2, 25), (25, 48)])
-        with mock.patch.dict(os.environ, {pieces.PIECE_LAYERS_ENV: "23"}):
-            self.assertEqual(pieces.bounds(48), [(0, 2), (2, 25), (25, 48)])
         with self.assertRaisesRegex(ValueError, "at least one layer"):
             pieces.bounds(48, 0)
+        # prefill checks it whether or not the model runs in pieces (this one does not: PLE).
+        with self.assertRaisesRegex(ValueError, "piece_layers must be an int >= 1 or None, "
+                                                "got 0"):
+            gemma4.prefill(tiny_model(), prompt(0, 4), piece_layers=0)
 
     def test_applies_only_without_ple_or_kv_sharing(self):
         self.assertTrue(pieces.applies(tiny_model(**TWELVE_B_LIKE)))
@@ -61,8 +56,6 @@ class PiecesTest(parameterized.TestCase):
         self.assertFalse(pieces.applies(tiny_model()))  # PLE and KV-shared layers
         self.assertFalse(pieces.applies(tiny_model(num_kv_shared_layers=0)))  # PLE
         self.assertFalse(pieces.applies(tiny_model(hidden_size_per_layer_input=0)))  # sharing
-        with mock.patch.dict(os.environ, {pieces.ONE_STEP_ENV: "1"}):
-            self.assertFalse(pieces.applies(tiny_model(**TWELVE_B_LIKE)))
 
     @parameterized.named_parameters(
         ("12b_like_chunk3", TWELVE_B_LIKE, 3, 11),
@@ -78,8 +71,7 @@ class PiecesTest(parameterized.TestCase):
             model = tiny_model(seed=length, dtype=jnp.float64, **config)
             ids = prompt(chunk, length)
             logits, cache = gemma4.prefill(model, ids, chunk_size=chunk)
-            with one_step():
-                ref_logits, ref_cache = gemma4.prefill(model, ids, chunk_size=chunk)
+            ref_logits, ref_cache = gemma4.prefill(model, ids, chunk_size=chunk, **ONE_STEP)
             assert_close_logits(logits, ref_logits)
             assert_same_cache(self, cache, ref_cache)
             # And both equal the one-shot prefill (no chunks).
@@ -94,8 +86,7 @@ class PiecesTest(parameterized.TestCase):
         model = tiny_model(seed=3, dtype=jnp.bfloat16, backend="auto", **config)
         ids = prompt(2, 10)
         logits, cache = gemma4.prefill(model, ids, chunk_size=4)
-        with one_step():
-            ref_logits, ref_cache = gemma4.prefill(model, ids, chunk_size=4)
+        ref_logits, ref_cache = gemma4.prefill(model, ids, chunk_size=4, **ONE_STEP)
         np.testing.assert_array_equal(np.asarray(logits, np.float32),
                                       np.asarray(ref_logits, np.float32))
         self.assertEqual(int(cache.length), int(ref_cache.length))
@@ -104,7 +95,7 @@ class PiecesTest(parameterized.TestCase):
 
     def test_pieces_run_on_the_chunk_step_path(self):
         # The pieces' step is what runs, once per piece and chunk; the one-step chunk is not
-        # called.
+        # called. With piece_layers=None it is the other way round.
         model = tiny_model(**TWELVE_B_LIKE)
         ids = prompt(0, 10)
         calls = []
@@ -114,9 +105,18 @@ class PiecesTest(parameterized.TestCase):
             calls.append(len(self_._bounds))
             return real(self_, *args, **kwargs)
 
-        with mock.patch.object(pieces.ChunkPieces, "step", counting):
+        one_step = mock.Mock(wraps=jitted.chunk_step_fn(model))
+        with mock.patch.object(pieces.ChunkPieces, "step", counting), \
+             mock.patch.object(jitted, "chunk_step_fn", return_value=one_step):
             gemma4.prefill(model, ids, chunk_size=4)
-        self.assertEqual(calls, [3, 3, 3])  # 3 chunks (the last padded), 3 pieces each
+            self.assertEqual(calls, [3, 3, 3])  # 3 chunks (the last padded), 3 pieces each
+            one_step.assert_not_called()
+            gemma4.prefill(model, ids, chunk_size=4, piece_layers=4)
+            self.assertEqual(calls[3:], [3, 3, 3])  # layers [0, 2), [2, 6), [6, 9)
+            calls.clear()
+            gemma4.prefill(model, ids, chunk_size=4, **ONE_STEP)
+        self.assertEqual(calls, [])
+        self.assertEqual(one_step.call_count, 3)
 
     def test_default_chunk_runs_a_short_prompt_in_pieces(self):
         # chunk_size=None and a prompt within the plan's chunk: one unpadded chunk in pieces
@@ -131,12 +131,11 @@ class PiecesTest(parameterized.TestCase):
                 widths.append(input_ids.shape[1])
                 return real(self_, state, cache, input_ids, valid, **kwargs)
 
-            gen = importlib.import_module("jax_mila.gemma4.generate")
-            with mock.patch.object(gen, "default_chunk_size", return_value=16), \
+            with mock.patch.object(plan, "default_chunk_size", return_value=16), \
                  mock.patch.object(pieces.ChunkPieces, "step", recording):
                 logits, cache = gemma4.prefill(model, ids)
-                with one_step(), mock.patch.object(gen, "_prefill", wraps=gen._prefill) as shot:
-                    ref, ref_cache = gemma4.prefill(model, ids)
+                with mock.patch.object(jitted, "prefill_step", wraps=jitted.prefill_step) as shot:
+                    ref, ref_cache = gemma4.prefill(model, ids, **ONE_STEP)
             self.assertEqual(widths, [9])
             shot.assert_called_once()
             assert_close_logits(logits, ref)
@@ -153,7 +152,6 @@ class PiecesTest(parameterized.TestCase):
         with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
             model = tiny_model(seed=11, dtype=jnp.float64, **TWELVE_B_LIKE)
             ids = prompt(6, 11)
-            gen = importlib.import_module("jax_mila.gemma4.generate")
             seen = []
 
             def recording(run):
@@ -162,26 +160,25 @@ class PiecesTest(parameterized.TestCase):
                     return run(*args, **kwargs)
                 return call
 
-            real_pieces, real_step_fn = pieces.ChunkPieces.step, gen.chunk_step_fn
+            real_pieces, real_step_fn = pieces.ChunkPieces.step, jitted.chunk_step_fn
             patches = (
-                mock.patch.object(gen, "default_chunk_size", return_value=8),
-                mock.patch.object(gen, "MIN_CHUNK", 2),
+                mock.patch.object(plan, "default_chunk_size", return_value=8),
+                mock.patch.object(plan, "MIN_CHUNK", 2),
                 mock.patch.object(pieces.ChunkPieces, "step",
                                   lambda self_, *a, **k: recording(
                                       functools.partial(real_pieces, self_))(*a, **k)),
-                mock.patch.object(gen, "chunk_step_fn",
+                mock.patch.object(jitted, "chunk_step_fn",
                                   lambda m: recording(real_step_fn(m))))
+            run = ONE_STEP if with_one_step else {}
             with contextlib.ExitStack() as stack:
                 for patch in patches:
                     stack.enter_context(patch)
-                if with_one_step:
-                    stack.enter_context(one_step())
-                logits, cache = gemma4.prefill(model, ids)
+                logits, cache = gemma4.prefill(model, ids, **run)
                 self.assertEqual(seen, [(8, True), (4, False)])
                 seen.clear()
-                chunked, chunked_cache = gemma4.prefill(model, ids, chunk_size=4)
+                chunked, chunked_cache = gemma4.prefill(model, ids, chunk_size=4, **run)
                 self.assertEqual(seen, [(4, False)] * 3)
-            full, full_cache = gen._prefill(*gen.model_args(model), ids, 11)  # one shot
+            full, full_cache = jitted.prefill_step(*jitted.model_args(model), ids, 11)  # one shot
             for ref, ref_cache in ((full, full_cache), (chunked, chunked_cache)):
                 assert_close_logits(logits, ref)
                 assert_same_cache(self, cache, ref_cache)
@@ -193,20 +190,19 @@ class PiecesTest(parameterized.TestCase):
         # the first two: [0, 2), [2, 3), ..., [8, 9).
         model = tiny_model(**TWELVE_B_LIKE)
         seen = []
-        real = pieces._jitted
+        real = pieces._piece_jit
 
         def recording(kernels, donate_hidden):
             run = real(kernels, donate_hidden)
 
-            def call(structure, weights, x, *args, **kwargs):
-                out = run(structure, weights, x, *args, **kwargs)
+            def call(runner, structure, weights, x, *args, **kwargs):
+                out = run(runner, structure, weights, x, *args, **kwargs)
                 seen.append((donate_hidden, x.dtype == jnp.int32, x.is_deleted()))
                 return out
             return call
 
-        with mock.patch.object(pieces, "_jitted", recording), \
-             mock.patch.object(pieces, "PIECE_LAYERS", 1):
-            gemma4.prefill(model, prompt(4, 6), chunk_size=4)
+        with mock.patch.object(pieces, "_piece_jit", recording):
+            gemma4.prefill(model, prompt(4, 6), chunk_size=4, piece_layers=1)
         first, last = (False, True, False), (False, False, False)
         middle = [(True, False, True)] * 6
         self.assertEqual(seen, ([first] + middle + [last]) * 2)  # 2 chunks of 8 pieces
@@ -218,8 +214,7 @@ class PiecesTest(parameterized.TestCase):
         down = model.layers[5].mlp.down_proj
         down.kernel.set_value(-down.kernel[...])  # a post-norm follows: scaling would cancel
         after, _ = gemma4.prefill(model, ids, chunk_size=4)
-        with one_step():
-            ref, _ = gemma4.prefill(model, ids, chunk_size=4)
+        ref, _ = gemma4.prefill(model, ids, chunk_size=4, **ONE_STEP)
         self.assertGreater(float(jnp.max(jnp.abs(after - before))), 1e-3)
         assert_close_logits(after, ref)
 

@@ -18,7 +18,7 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 from jax.sharding import Mesh
 
-from jax_mila import gemma4, nn, parallel, reference
+from jax_mila import gemma4, nn, reference
 from jax_mila.gemma4.attention import Gemma4Attention
 from jax_mila.gemma4.config import Gemma4Config
 from jax_mila.gemma4.rope import rope_tables
@@ -292,7 +292,7 @@ class FoldedModelTest(parameterized.TestCase):
         folded, plain = self._models(seed)
         ids = self._ids(seed, 24)
         mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("seq",))
-        got = parallel.forward(folded, ids, mesh, heads_axis=None, seq_axis="seq")
+        got = gemma4.forward(folded, ids, mesh, heads_axis=None, seq_axis="seq")
         self.assert_close_logits(got, plain(ids), seed)
 
     def test_chunked_context_parallel(self):

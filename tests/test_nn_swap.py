@@ -32,7 +32,6 @@ import testing  # tests/testing.py
 from jax_mila.ffi import _registry
 from jax_mila.nn import swap as swap_mod
 from jax_mila.nn.linear import MXFP4Param
-from jax_mila.parallel.tensor import tensor_parallel
 
 
 def _key():
@@ -414,10 +413,10 @@ class LinearBiasTest(parameterized.TestCase):
                                    np.asarray(self.x[..., :100] @ kernel + self.bias),
                                    rtol=1e-5, atol=1e-5)
 
-    def test_refused_under_tensor_parallelism(self):
+    def test_refused_on_a_row_parallel_layer(self):
         layer = nn.Linear(256, 128, use_bias=True)
-        with tensor_parallel("heads"), self.assertRaisesRegex(ValueError, "tensor parallel"):
-            layer(self.x)
+        with self.assertRaisesRegex(ValueError, "a bias on a row-parallel layer"):
+            layer(self.x, row_parallel_axis="heads")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 from jax.sharding import Mesh
 
-from jax_mila import ffi, gemma4, nn, parallel, reference
+from jax_mila import ffi, gemma4, nn, reference
 from jax_mila.ffi import _registry
 from jax_mila.gemma4 import rope
 from jax_mila.gemma4.config import RopeSpec
@@ -354,7 +354,7 @@ class ModelTest(parameterized.TestCase):
         want = model(ids)
         mesh = Mesh(np.array(jax.devices("cpu")[:4]).reshape(2, 2), ("seq", "heads"))
         with mock.patch.object(ffi, "rms_norm_rope", wraps=ffi.rms_norm_rope) as fused:
-            full = parallel.forward(model, ids, mesh, heads_axis="heads", seq_axis="seq")
+            full = gemma4.forward(model, ids, mesh, heads_axis="heads", seq_axis="seq")
             one, _ = gemma4.prefill(model, ids, chunk_size=4, max_cache_len=16)
             chunks, _ = gemma4.prefill(model, ids, chunk_size=4, max_cache_len=16, mesh=mesh,
                                        seq_segments=2)

@@ -1,8 +1,8 @@
 """Context parallelism inside the chunked prefill (gemma4.prefill(mesh=..., seq_axis="seq"),
-jax_mila.parallel.chunked) against the single-device chunked prefill, on forced host devices
-(tests/conftest.py) through the reference ops, float32: last logits and every cache buffer
-(the position-sharded ones gathered back to positions), for 2 and 4 devices, chunk sizes that
-do not divide the prompt, prompts shorter than a chunk, caches longer than the prompt (empty
+jax_mila.parallel.chunked, jax_mila.engine.sharded) against the single-device chunked prefill,
+on forced host devices (tests/conftest.py) through the reference ops, float32: last logits and
+every cache buffer (the position-sharded ones gathered back to positions), for 2 and 4
+devices, chunk sizes that do not divide the prompt, prompts shorter than a chunk, caches longer than the prompt (empty
 segments), KV-shared / PLE / MoE layers, and a seq x heads mesh."""
 
 import functools
@@ -16,10 +16,11 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_mila import gemma4
+from jax_mila import gemma4, parallel
+from jax_mila.engine import sharded
 from jax_mila.gemma4 import cache as kv
 from jax_mila.gemma4.config import Gemma4Config
-from jax_mila.parallel import chunked
+from jax_mila.parallel import Layout, chunked
 
 S, F = "sliding_attention", "full_attention"
 
@@ -171,9 +172,8 @@ class ChunkedContextParallelTest(parameterized.TestCase):
         _assert_same_cache(self, cache, want_cache, seed)
         graphdef, state = nnx.split(model)
         make = functools.partial(kv.empty, model.config, 2, 32, jnp.float32, seq_layout=(2, 8))
-        step, state, empty = chunked.sharded_chunk_step(model, state, make, _mesh(2),
-                                                        tp_axis=None, seq_axis="seq",
-                                                        segments=8)
+        step, state, empty = sharded.chunk_step(model, state, make, _mesh(2), tp_axis=None,
+                                                seq_axis="seq", segments=8)
         text = step.lower(state, empty, jnp.zeros((2, 8), jnp.int32), jnp.int32(8)).as_text()
         self.assertEmpty(re.findall(r"stablehlo\.while", text))
         # The reference attention's score product (keys [B, 16, Hkv, D] against the 8 queries
@@ -225,7 +225,7 @@ class ChunkedContextParallelTest(parameterized.TestCase):
         ids = _ids(seed, 19, 256)
         want, _ = gemma4.prefill(model, ids, chunk_size=8, max_cache_len=24)
         outs, heads = [], []
-        real_step, real_head = chunked.sharded_chunk_step, chunked.sharded_head
+        real_step, real_head = sharded.chunk_step, sharded.head
 
         def recording_step(*args, **kwargs):
             step, state, cache = real_step(*args, **kwargs)
@@ -245,8 +245,8 @@ class ChunkedContextParallelTest(parameterized.TestCase):
                 return head(state, last)
             return recorded
 
-        with mock.patch.object(chunked, "sharded_chunk_step", recording_step), \
-             mock.patch.object(chunked, "sharded_head", recording_head):
+        with mock.patch.object(sharded, "chunk_step", recording_step), \
+             mock.patch.object(sharded, "head", recording_head):
             got, _ = gemma4.prefill(model, ids, chunk_size=8, max_cache_len=24,
                                     mesh=_mesh(shape, names), seq_segments=2)
         hidden = (ids.shape[0], model.config.hidden_size)  # not the vocabulary's logits
@@ -274,24 +274,24 @@ class ChunkedContextParallelTest(parameterized.TestCase):
         # layout): prompts of other lengths with the same capacity reuse its one executable.
         model = _model("k_eq_v", 0)
         mesh = _mesh(2)
-        chunked._STEPS.clear()
+        sharded._STEPS.clear()
         for length in (5, 13, 18):
             gemma4.prefill(model, _ids(length, length, 256), chunk_size=4, max_cache_len=32,
                            mesh=mesh, seq_segments=2)
-        self.assertLen(chunked._STEPS, 2)  # the step and the output head
-        for fn in chunked._STEPS.values():
+        self.assertLen(sharded._STEPS, 2)  # the step and the output head
+        for fn in sharded._STEPS.values():
             self.assertEqual(fn._cache_size(), 1)
 
     @parameterized.parameters(((2,), ("seq",), "seq", None), ((2, 2), ("seq", "heads"), "seq", "heads"))
     def test_empty_cache_is_made_in_its_shards(self, shape, names, seq_axis, tp_axis):
-        # prefill's cache on a mesh (sharded_chunk_step makes it): each buffer created with its
+        # prefill's cache on a mesh (sharded.chunk_step makes it): each buffer created with its
         # cache_specs sharding (each device allocates only its part), zero, with the static
         # fields of kv.empty's.
         model = _model("k_eq_v", 0)
         mesh = _mesh(shape, names)
         make = functools.partial(kv.empty, model.config, 1, 24, jnp.float32, seq_layout=(2, 2))
-        _, _, cache = chunked.sharded_chunk_step(model, nnx.state(model), make, mesh,
-                                                 tp_axis=tp_axis, seq_axis=seq_axis, segments=2)
+        _, _, cache = sharded.chunk_step(model, nnx.state(model), make, mesh,
+                                         tp_axis=tp_axis, seq_axis=seq_axis, segments=2)
         want = make()
         specs = chunked.cache_specs(want, model.config, seq_axis=seq_axis, tp_axis=tp_axis,
                                     tp_size=mesh.shape.get("heads", 1))
@@ -334,7 +334,7 @@ class ChunkedContextParallelTest(parameterized.TestCase):
         graphdef, state = nnx.split(model)
         mesh, chunk = _mesh(shape, names), 24
         make = functools.partial(kv.empty, model.config, 1, 48, jnp.float32, seq_layout=(2, 2))
-        step, state, cache = chunked.sharded_chunk_step(
+        step, state, cache = sharded.chunk_step(
             model, state, make, mesh, tp_axis="heads" if "heads" in names else None,
             seq_axis="seq", segments=2)
         hlo = step.lower(state, cache, jnp.zeros((1, chunk), jnp.int32), jnp.int32(chunk)) \
@@ -417,11 +417,29 @@ class ChunkedContextParallelTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "segments per device must be an even int >= 2"):
             gemma4.prefill(model, ids, chunk_size=4, mesh=_mesh(2), seq_segments=3)
         with self.assertRaisesRegex(ValueError, "chunked context parallelism runs mode 'chunk'"):
-            with chunked.chunked_context_parallel("seq"):
-                model.hidden_states(ids)
+            model.hidden_states(ids, layout=Layout(seq_axis="seq", seq_split="chunk",
+                                                   segments=2))
         with self.assertRaisesRegex(ValueError, "capacity 13 is not a multiple of devices x "
                                                 "segments = 4"):
             chunked.slot_positions(13, 2, 2)
+        zigzag = Layout(seq_axis="seq", seq_split="zigzag")
+        with self.assertRaisesRegex(ValueError, "context parallelism runs mode 'full' only"):
+            model.hidden_states(ids, mode="prefill", max_len=8, layout=zigzag)
+
+    def test_layout_refusals(self):
+        self.assertEqual(Layout(), parallel.SINGLE_DEVICE)
+        with self.assertRaisesRegex(ValueError, r"seq_split='ring' \(supported: \(None, "
+                                                r"'zigzag', 'chunk'\)\)"):
+            Layout(seq_axis="seq", seq_split="ring")
+        with self.assertRaisesRegex(ValueError, "seq_axis='seq' and seq_split=None: name both "
+                                                "or neither"):
+            Layout(seq_axis="seq")
+        with self.assertRaisesRegex(ValueError, "segments per device must be an even int >= 2"):
+            Layout(seq_axis="seq", seq_split="chunk", segments=3)
+        with self.assertRaisesRegex(ValueError, "segments=2 is for seq_split 'chunk' only"):
+            Layout(seq_axis="seq", seq_split="zigzag", segments=2)
+        with self.assertRaisesRegex(ValueError, "one axis 'x' for heads and sequence"):
+            Layout(heads_axis="x", seq_axis="x", seq_split="zigzag")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jax_mila import parallel, reference
+from jax_mila import gemma4, parallel, reference
 
 
 def _seed():
@@ -99,7 +99,6 @@ class ContextParallelModelTest(parameterized.TestCase):
 
     def _model(self, seed):
         from flax import nnx
-        from jax_mila import gemma4
         from jax_mila.gemma4.config import Gemma4Config
         s, f = "sliding_attention", "full_attention"
         # 12B-like: K=V global layers with one KV head; a window of 4 (halo 3 <= chunk 3).
@@ -120,7 +119,7 @@ class ContextParallelModelTest(parameterized.TestCase):
         ids = jax.random.randint(jax.random.key(seed), (2, 24), 0, 256)
         want = model(ids)
         mesh = Mesh(np.array(jax.devices("cpu")[:int(np.prod(shape))]).reshape(shape), names)
-        got = parallel.forward(model, ids, mesh, heads_axis=heads_axis, seq_axis="seq")
+        got = gemma4.forward(model, ids, mesh, heads_axis=heads_axis, seq_axis="seq")
         # float32; the ring merges partial softmax results through exp/log (observed 1.7e-5
         # on logits of magnitude up to 30)
         scale = float(jnp.max(jnp.abs(want)))
@@ -130,5 +129,5 @@ class ContextParallelModelTest(parameterized.TestCase):
         model = self._model(0)
         mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("seq",))
         with self.assertRaisesRegex(ValueError, "multiple of 2 x devices on the axis = 8; got 12"):
-            parallel.forward(model, jnp.zeros((1, 12), jnp.int32), mesh, heads_axis=None,
-                             seq_axis="seq")
+            gemma4.forward(model, jnp.zeros((1, 12), jnp.int32), mesh, heads_axis=None,
+                           seq_axis="seq")

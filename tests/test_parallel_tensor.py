@@ -12,10 +12,9 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_mila import gemma4
-from jax_mila.gemma4 import attention, mlp
 from jax_mila.gemma4.config import Gemma4Config
 from jax_mila.nn import noise
-from jax_mila.parallel import tensor
+from jax_mila.parallel import Layout, tensor
 
 S, F = "sliding_attention", "full_attention"
 
@@ -81,7 +80,7 @@ def _w4a8_sharded_error(seed, tp=2):
     # softmax) round differently and flip codes of their own (seed 2077337608: 3.5e-4 eager vs
     # jitted on one device, 9e-8 jitted vs sharded).
     want = jax.jit(lambda s, i: nnx.merge(graphdef, s)(i))(state, ids)
-    got = tensor.forward(model, ids, _mesh(tp))
+    got = gemma4.forward(model, ids, _mesh(tp))
     return _rel(got, want), _quantizer_noise_sensitivity(model, ids, want, seed)
 
 
@@ -97,7 +96,7 @@ class TensorParallelTest(parameterized.TestCase):
         model = gemma4.Gemma4ForCausalLM(_config(), dtype=jnp.float32, rngs=nnx.Rngs(seed))
         ids = jax.random.randint(jax.random.key(seed), (2, 13), 0, 256)
         want = model(ids)
-        got = tensor.forward(model, ids, _mesh(tp))
+        got = gemma4.forward(model, ids, _mesh(tp))
         # float32; the sharded sums are added in another order (observed ~7e-6 on logits ~30)
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5, err_msg=f"seed={seed}")
 
@@ -123,15 +122,14 @@ class TensorParallelTest(parameterized.TestCase):
         # 2.9x the bound over 24 seeds).
         seed = _seed()
 
-        def off_by_1e3(x):
-            axis = tensor.active_axis()
+        def off_by_1e3(layout, x):
+            axis = layout.heads_axis
             if axis is None:  # the single-device reference and the probe: unchanged
                 return x
             scale = jnp.where(jax.lax.axis_index(axis) == 0, 1 + 1e-3, 1).astype(x.dtype)
             return jax.lax.psum(x * scale, axis)
 
-        with mock.patch.object(attention, "reduce_partial_sums", off_by_1e3), \
-                mock.patch.object(mlp, "reduce_partial_sums", off_by_1e3):
+        with mock.patch.object(Layout, "reduce", off_by_1e3):
             rel, sensitivity = _w4a8_sharded_error(seed)
         self.assertGreater(rel, sensitivity, f"seed={seed}")
 
@@ -162,8 +160,9 @@ class TensorParallelTest(parameterized.TestCase):
                                    num_kv_heads_of_layer=lambda i: model.config.layers[i].num_kv_heads)
 
         def body(state, ids):
-            with tensor.tensor_parallel("heads"):
-                return nnx.merge(graphdef, state)(ids)
+            model = nnx.merge(graphdef, state)
+            h, _ = model.hidden_states(ids, layout=Layout(heads_axis="heads"))
+            return model.logits(h)
 
         hlo = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P()), out_specs=P())) \
             .lower(state, ids).compile().as_text()
@@ -189,7 +188,7 @@ class TensorParallelTest(parameterized.TestCase):
         model = gemma4.Gemma4ForCausalLM(_config(), dtype=jnp.float32, quantize="w4a8")
         with self.assertRaisesRegex(ValueError, "o_proj has K=256; its W4A8 slices need K / 4 "
                                                 "to be a multiple of 128"):
-            tensor.forward(model, jnp.zeros((1, 8), jnp.int32), _mesh(4))
+            gemma4.forward(model, jnp.zeros((1, 8), jnp.int32), _mesh(4))
 
     def test_unsupported_configs_are_refused(self):
         with self.assertRaisesRegex(ValueError, "3 query heads do not divide evenly"):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import importlib
 import importlib.util
 import io
 import json
@@ -22,11 +21,11 @@ from flax import nnx
 from jax_mila.__main__ import main as cli
 from jax_mila.bench import prefill as bench
 from jax_mila.bench import trace
+from jax_mila.engine import plan
 from jax_mila.gemma4 import prefill, random_init
 from jax_mila.gemma4.loader import quantized_linears
 from jax_mila.quant.mxfp4 import check_kernel_invariant, dequantize_mxfp4
 
-gen = importlib.import_module("jax_mila.gemma4.generate")
 HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
 
@@ -124,15 +123,15 @@ class ChunkSizeTest(absltest.TestCase):
             stats = dict(bytes_limit=limit, bytes_in_use=in_use)
             gpu = mock.Mock(memory_stats=mock.Mock(return_value=stats))
             with mock.patch.object(jax, "devices", return_value=[gpu]):
-                return gen.default_chunk_size(model, 1, 64, **kwargs)
+                return plan.default_chunk_size(model, 1, 64, **kwargs)
 
-        self.assertEqual(chunk(2**34, 0), gen.MAX_CHUNK)
+        self.assertEqual(chunk(2**34, 0), plan.MAX_CHUNK)
         # A budget below the device's limit plans exactly as a device of that size would.
         for budget, in_use in ((2**24, 0), (2**25, 2**24), (2**23, 2**20)):
             capped = chunk(2**34, in_use, memory_limit=budget)
             self.assertEqual(capped, chunk(budget, in_use), msg=f"budget {budget}, in use {in_use}")
-            self.assertLess(capped, gen.MAX_CHUNK)
-        self.assertEqual(chunk(2**34, 0, memory_limit=2**40), gen.MAX_CHUNK)  # the device's limit wins
+            self.assertLess(capped, plan.MAX_CHUNK)
+        self.assertEqual(chunk(2**34, 0, memory_limit=2**40), plan.MAX_CHUNK)  # the device's limit wins
 
 
 def _trace(events, threads, starts=None):

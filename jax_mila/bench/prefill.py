@@ -9,7 +9,7 @@
 Devices (``--devices 1,2``): each count runs in its own worker process; N > 1 runs the same
 random model (built replicated on every device: each draws its own copy) through
 ``gemma4.prefill(mesh=...)`` over a "seq" mesh axis of N devices (context parallelism,
-jax_mila.parallel.chunked; the chunk is rounded up to a multiple of N). Peak memory is then
+jax_mila.engine.sharded; the chunk is rounded up to a multiple of N). Peak memory is then
 per device (every device's allocator peak; the tables show the largest), the KV cache per
 device (its largest shard), and a scaling table compares each N with the same run's N = 1
 point (speedup, efficiency = speedup / N).
@@ -32,8 +32,8 @@ Every JAX call is dispatched separately (no batching of runs into one program).
 Chunked prefill with one chunk size for all lengths (``--chunk-size``, default 32768; "auto":
 ``default_chunk_size`` for the longest length under --memory-budget-gib), min(chunk, length).
 "prefill": what ``gemma4.prefill`` does by default (``chunk_size=None``: its own plan per length,
-without a budget; a prompt within it runs as one chunk, in layer pieces where they apply, or
-one-shot under JAX_MILA_PREFILL_ONE_STEP=1), the call a user makes without choosing a chunk.
+without a budget; a prompt within it runs as one chunk, in layer pieces where they apply, else
+one-shot), the call a user makes without choosing a chunk.
 
 Memory: the allocator's ``peak_bytes_in_use`` (torch: max_memory_allocated), which JAX cannot
 reset; the lengths run in ascending order with the same chunk, so each step's peak is at
@@ -111,11 +111,10 @@ def _jax_worker(spec: dict) -> None:
     import numpy as np
     from flax import nnx
 
+    from jax_mila import gemma4
     from jax_mila.bench import trace as trace_mod
+    from jax_mila.engine import plan
     from jax_mila.gemma4 import random_init
-
-    # The module, not the function of the same name that jax_mila.gemma4 exports.
-    generate = importlib.import_module("jax_mila.gemma4.generate")
 
     n_dev = spec.get("devices", 1)
     if len(jax.devices()) < n_dev:
@@ -149,7 +148,7 @@ def _jax_worker(spec: dict) -> None:
     print(f"{spec['backend']}: model built on {where} in {time.perf_counter() - t0:.1f} s, "
           f"weights {_gib(weights)}", flush=True)
     seqs = sorted(spec["seqs"])
-    auto = generate.default_chunk_size(model, 1, seqs[-1], memory_limit=int(spec["memory_budget_gib"] * GiB))
+    auto = plan.default_chunk_size(model, 1, seqs[-1], memory_limit=int(spec["memory_budget_gib"] * GiB))
     own = spec["chunk_size"] == OWN_CHUNK
     chunk = None if own else spec["chunk_size"] or auto
     print(f"{spec['backend']}: chunk {OWN_CHUNK if own else chunk} (--chunk-size auto would "
@@ -158,7 +157,7 @@ def _jax_worker(spec: dict) -> None:
     rng = np.random.default_rng(spec["seed"])
     previous_peak = init_peak
     for length in seqs:
-        planned = generate.default_chunk_size(model, 1, length) if own else chunk
+        planned = plan.default_chunk_size(model, 1, length) if own else chunk
         row_chunk = -(-min(planned, length) // n_dev) * n_dev  # the seq axis splits each chunk
         row = dict(backend=spec["backend"], seq=length, chunk=row_chunk, weights_bytes=weights,
                    init_peak_bytes=init_peak, device=str(dev), devices=n_dev)
@@ -166,7 +165,7 @@ def _jax_worker(spec: dict) -> None:
         mesh_kw = {} if mesh is None else dict(mesh=mesh, seq_segments=spec.get("seq_segments"))
 
         def run():
-            out = generate.prefill(model, ids, chunk_size=None if own else row["chunk"],
+            out = gemma4.prefill(model, ids, chunk_size=None if own else row["chunk"],
                                    kv_cache_dtype=spec.get("kv_cache_dtype"), **mesh_kw)
             jax.block_until_ready(out)
             return out
@@ -195,7 +194,7 @@ def _jax_worker(spec: dict) -> None:
                 previous_peak = p
             if spec.get("memory_plan") and (row["chunk"] < length or n_dev > 1):
                 row["plan_temp_bytes"] = _chunk_step_temp_bytes(
-                    generate, model, row["chunk"], length, spec.get("kv_cache_dtype"),
+                    model, row["chunk"], length, spec.get("kv_cache_dtype"),
                     mesh=mesh, segments=spec.get("seq_segments"))
             if spec["profile"]:
                 row["split_ms"], row["split_note"] = _profile(run, trace_mod)
@@ -207,7 +206,7 @@ def _jax_worker(spec: dict) -> None:
         _emit(row)
 
 
-def _chunk_step_temp_bytes(generate, model, chunk: int, length: int, kv_cache_dtype,
+def _chunk_step_temp_bytes(model, chunk: int, length: int, kv_cache_dtype,
                            mesh=None, segments: int | None = None) -> int | None:
     """XLA's own plan for one chunk step: the bytes of its temporary buffers (activations and
     workspace, weights and cache excluded), from the compiled executable's memory analysis.
@@ -218,29 +217,28 @@ def _chunk_step_temp_bytes(generate, model, chunk: int, length: int, kv_cache_dt
     import jax.numpy as jnp  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
+    from jax_mila.engine import jitted, sharded  # noqa: PLC0415
     from jax_mila.gemma4 import cache as kv  # noqa: PLC0415
+    from jax_mila.parallel import chunked  # noqa: PLC0415
 
     ids = jax.ShapeDtypeStruct((1, chunk), jnp.int32)
     valid = jax.ShapeDtypeStruct((), jnp.int32)
     if mesh is not None:
-        from jax_mila.parallel import chunked  # noqa: PLC0415
-
         segments = chunked.DEFAULT_SEGMENTS if segments is None else segments
         devices = mesh.shape["seq"]
         # A real cache, made in its shards as prefill makes it; the caller measured the peak.
         make = functools.partial(kv.empty, model.config, 1, chunked.capacity(length, devices, segments),
                                  model.dtype, full_dtype=kv_cache_dtype, seq_layout=(devices, segments))
-        step, state, cache = chunked.sharded_chunk_step(model, nnx.state(model), make, mesh,
-                                                        tp_axis=None, seq_axis="seq",
-                                                        segments=segments)
+        step, state, cache = sharded.chunk_step(model, nnx.state(model), make, mesh,
+                                                tp_axis=None, seq_axis="seq", segments=segments)
         analysis = step.lower(state, cache, ids, valid).compile().memory_analysis()
         del cache
         return None if analysis is None else int(analysis.temp_size_in_bytes)
     abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
     cache = jax.eval_shape(lambda: kv.empty(model.config, 1, length, model.dtype,
                                             full_dtype=kv_cache_dtype))
-    structure, weights = generate.model_args(model)  # what prefill passes the step
-    lowered = generate.chunk_step_fn(model).lower(structure, abstract(weights), cache, ids, valid)
+    structure, weights = jitted.model_args(model)  # what prefill passes the step
+    lowered = jitted.chunk_step_fn(model).lower(structure, abstract(weights), cache, ids, valid)
     analysis = lowered.compile().memory_analysis()
     return None if analysis is None else int(analysis.temp_size_in_bytes)
 

@@ -29,9 +29,7 @@ from jax_mila import nn
 from jax_mila.gemma4 import cache as kv
 from jax_mila.gemma4.config import Gemma4Config, LayerSpec
 from jax_mila.gemma4.rope import norm_rope
-from jax_mila.parallel import chunked as cpc
-from jax_mila.parallel import context as cp
-from jax_mila.parallel.tensor import kv_heads_for_local_queries, reduce_partial_sums
+from jax_mila.parallel.layout import CHUNK, SINGLE_DEVICE, Layout
 
 # What attention reads: (k, v, kv_offset). Shared layers receive their source's view.
 KVView = tuple[jax.Array, jax.Array, jax.Array]
@@ -92,21 +90,25 @@ class Gemma4Attention(nnx.Module):
             return (self.q_proj,)
         return (self.q_proj, self.k_proj) + (() if self.k_eq_v else (self.v_proj,))
 
-    def takes_quantized_input(self) -> bool:
+    def takes_quantized_input(self, layout: Layout = SINGLE_DEVICE) -> bool:
         """Whether __call__ may be given x already quantized (nn.QuantizedRows, e.g. from
-        add_rms_norm_quantize) and compute what it computes from x: every projection of x W4A8
-        on one backend, no tensor parallelism (nn.shares_quantized_input)."""
-        return nn.shares_quantized_input(*self.input_projections())
+        add_rms_norm_quantize) and compute what it computes from x in a step of ``layout``:
+        every projection of x W4A8 on one backend (nn.shares_quantized_input), no tensor
+        parallelism (the layers under it quantize inside their shard_map)."""
+        return layout.heads_axis is None and nn.shares_quantized_input(*self.input_projections())
 
     def __call__(self, x, cos, sin, *, offset, mode: str, entry=None, shared: KVView | None = None,
-                 max_len: int = 0, valid=None, first_chunk: bool = False):
+                 max_len: int = 0, valid=None, first_chunk: bool = False,
+                 layout: Layout = SINGLE_DEVICE):
         """x [B, T, H] at positions offset + arange(T), or its W4A8 quantization
         (nn.QuantizedRows, where takes_quantized_input()).
 
         mode "full" (no cache), "prefill" (offset 0; builds this layer's cache entry),
         "decode" (T == 1; appends to ``entry``) or "chunk" (a prefill chunk whose first ``valid``
         tokens are real; appends them to ``entry``; ``first_chunk``: at offset 0, see
-        cache.chunk_update's ``first``). Returns (out, kv_view, new_entry)."""
+        cache.chunk_update's ``first``). ``layout``: the step's split over the mesh (this
+        device's heads, its tokens, how its attention merges across devices; the cos, sin
+        given are its tokens'). Returns (out, kv_view, new_entry)."""
         b, t, _ = x.shape
         # Head counts from the arrays: under tensor parallelism this device holds a slice of the
         # heads (jax_mila/parallel/tensor.py).
@@ -128,23 +130,22 @@ class Gemma4Attention(nnx.Module):
                 k_buf, v_buf, k, v, kv_offset = kv.decode_update(*entry, k, v, offset, ring=ring is not None)
                 new_entry = (k_buf, v_buf)
             elif mode == "chunk":
-                # Under chunked context parallelism k, v are this device's slice of the chunk.
-                if cpc.active_axis() is None:
-                    update = functools.partial(kv.chunk_update, first=first_chunk)
+                if layout.seq_split == CHUNK:  # k, v: this device's slice of the chunk
+                    update = functools.partial(kv.sharded_chunk_update, axis=layout.seq_axis,
+                                               segments=layout.segments)
                 else:
-                    update = cpc.chunk_update
+                    update = functools.partial(kv.chunk_update, first=first_chunk)
                 k_buf, v_buf, k, v, kv_offset = update(*entry, k, v, offset, valid,
                                                        ring=ring is not None)
                 new_entry = (k_buf, v_buf)
         if k.dtype != q.dtype:  # an FP8 cache (cache.py): attention reads the model's dtype
             k, v = k.astype(q.dtype), v.astype(q.dtype)
-        kq, vq = kv_heads_for_local_queries(k, v, num_heads=self.num_heads,
-                                            num_kv_heads=self.num_kv_heads, local_q_heads=q.shape[2])
-        if cp.active_axis() is not None:  # sequence sharded over devices (mode "full" only)
-            o = cp.layer_attention(q, kq, vq, self.attn, window=self.window)
-        elif cpc.active_axis() is not None:  # a prefill chunk split over devices
-            o = cpc.attention(q, kq, vq, kv_offset, self.attn, window=self.window, pos=offset)
-        else:
-            o = self.attn(q, kq, vq, window=self.window, q_offset=offset, kv_offset=kv_offset)
-        out = reduce_partial_sums(self.o_proj(o.reshape(b, t, -1)))  # o_proj: row-parallel
+        kq, vq = layout.kv_heads_for_local_queries(k, v, num_heads=self.num_heads,
+                                                   num_kv_heads=self.num_kv_heads,
+                                                   local_q_heads=q.shape[2])
+        o = layout.attend(q, kq, vq, self.attn, window=self.window, q_offset=offset,
+                          kv_offset=kv_offset)
+        # o_proj is row-parallel under tensor parallelism: its partial sums are all-reduced.
+        out = self.o_proj(o.reshape(b, t, -1), row_parallel_axis=layout.heads_axis)
+        out = layout.reduce(out)
         return out, (k, v, kv_offset), new_entry

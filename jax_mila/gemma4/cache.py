@@ -33,6 +33,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_mila.parallel.chunked import owned_segments
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -43,7 +45,8 @@ class KVCache:
     position of the next token. ``max_len`` (static) is the capacity of full-layer buffers.
     ``seq_layout`` (static): () when slot j of a full-layer buffer holds position j; (devices,
     segments) when a context-parallel prefill sharded those buffers by position in zig-zag
-    segments (jax_mila.parallel.chunked; ``cache_in_position_order`` undoes it).
+    segments (``sharded_chunk_update``, jax_mila.parallel.chunked; its
+    ``cache_in_position_order`` undoes it).
     """
 
     keys: tuple
@@ -75,9 +78,9 @@ def empty(cfg, batch: int, max_len: int, dtype, *, full_dtype=None, seq_layout=(
                    seq_layout=tuple(seq_layout))
 
 
-# One jitted call makes every layer's buffers. Made one jnp.zeros at a time, the 12B's 96
-# buffers cost the host a scalar upload and a broadcast dispatch each while the device sat
-# idle at the start of every prefill (~1 ms apiece in a profiled H200 run, docs/performance.md).
+# One jitted call makes every layer's buffers: made one jnp.zeros at a time, each buffer costs
+# the host a scalar upload and a broadcast dispatch while the device sits idle at the start of
+# every prefill.
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def _zero_buffers(cfg, batch: int, max_len: int, dtype, full_dtype):
     keys, values = [], []
@@ -112,8 +115,7 @@ def set_rows(buf: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
     dropped. The caller promises that the slots are distinct, the dropped ones included (make
     them S + i, not S): with that promise XLA:GPU writes the rows with plain stores. Without it
     a scatter must allow for two writes to one slot and emits atomic exchanges, which for 16-bit
-    elements are compare-and-swap loops on 32-bit words: the rings' writes of a 12B 32K prefill
-    took 11.7 ms that way, ~430 GB/s (docs/performance.md)."""
+    elements are compare-and-swap loops on 32-bit words, several times slower."""
     return buf.at[:, slots].set(rows, mode="drop", unique_indices=True)
 
 
@@ -143,8 +145,7 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool, first: bool = Fa
 
     ``first`` (static): the caller promises pos == 0, the prompt's first chunk on an empty
     cache. A ring layer then attends over the chunk's own keys, as a one-shot prefill does: the
-    slab below would only append R zeros (12B, chunk 32768: 6-7 ms of a 32K prefill to build,
-    docs/performance.md).
+    slab below would only append R zeros, and cost a pass over R + T rows to build.
 
     Padding is never written (its scatter indices are out of range, mode="drop"), so the cache
     after the chunk holds exactly what a one-shot prefill of the real tokens would.
@@ -165,9 +166,8 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool, first: bool = Fa
     n + i). Read from the view, the write depends on the view's read of the old ring, so XLA
     can order the two and update the donated buffer in place. Written from k itself (no such
     dependency), or computed whole from the slab into a fresh buffer, the context-parallel
-    step kept a new ring per layer that XLA copied into the output at the end of the step
-    (12B on two H200s: up to 80 x 4 MiB at the step's peak, 10.19 GiB per device against
-    10.04 now; scripts/xla_live_buffers.py on the GPU's dump, docs/performance.md)."""
+    step keeps a new ring per layer that XLA copies into the output at the end of the step,
+    all of them live at the step's peak."""
     t, size = k.shape[1], k_buf.shape[1]
     k, v = k.astype(k_buf.dtype), v.astype(v_buf.dtype)
     i = jnp.arange(t, dtype=jnp.int32)
@@ -185,9 +185,8 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool, first: bool = Fa
             # [n ring keys in position order][T chunk keys][R - n zeros] as one elementwise
             # select of two gathers, which XLA fuses into a single pass (read R + T rows, write
             # R + T). Concatenating the position-ordered ring with the chunk and rolling the
-            # result (a traced roll is a concatenate plus a dynamic slice) wrote and read the
-            # R + T rows twice: 18 ms of a 12B 32K prefill in three XLA fusions
-            # (docs/performance.md).
+            # result (a traced roll is a concatenate plus a dynamic slice) writes and reads the
+            # R + T rows twice.
             ring_keys = jnp.take(buf, (row + pos - n) % size, axis=1, mode="clip")
             chunk_keys = jnp.take(x, jnp.clip(row - n, 0, t - 1), axis=1, mode="clip")
             j = row[None, :, None, None]
@@ -199,10 +198,8 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool, first: bool = Fa
         k_view, v_view = jax.lax.optimization_barrier((slab(k_buf, k), slab(v_buf, v)))
 
     # Only the last min(valid, R) real tokens reach the ring, so the scatter takes m = min(T, R)
-    # rows (chunk tokens valid-m .. valid-1; those before token 0 are dropped), not T (12B,
-    # chunk 4096, R 1024: 16.4 ms of a 32K prefill over 4096 rows, 12.1 ms over 1024;
-    # docs/performance.md). The slots are distinct (m <= R consecutive positions; the dropped
-    # ones R + j).
+    # rows (chunk tokens valid-m .. valid-1; those before token 0 are dropped), not T. The
+    # slots are distinct (m <= R consecutive positions; the dropped ones R + j).
     m = min(t, size)
     j = jnp.arange(m, dtype=jnp.int32)
     src = valid - m + j  # chunk token of update row j
@@ -211,10 +208,106 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool, first: bool = Fa
     k_buf = set_rows(k_buf, slots, jnp.take(k_view, rows, axis=1))
     v_buf = set_rows(v_buf, slots, jnp.take(v_view, rows, axis=1))
     # Attention reads the views only once the ring is written: the writes feed nothing but the
-    # step's outputs, so XLA:GPU's scheduler put every layer's at the end of the step, each
-    # holding its chunk K/V until then (12B, two-device step: 40 layers' gathered K and V,
-    # 16 MiB each, 1.25 of the 1.61 GiB planned). Full layers need no barrier: their view is
-    # the written buffer.
+    # step's outputs, so XLA:GPU's scheduler would put every layer's at the end of the step,
+    # each holding its chunk K/V until then. Full layers need no barrier: their view is the
+    # written buffer.
     k_buf, v_buf, k_view, v_view = jax.lax.optimization_barrier((k_buf, v_buf, k_view, v_view))
     return k_buf, v_buf, k_view, v_view, (pos - n).astype(jnp.int32)
 
+
+# ------------------------------------------- a chunk split over a mesh axis (context parallel)
+
+def sharded_chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool, axis: str,
+                         segments: int):
+    """``chunk_update`` for a chunk split over the mesh axis ``axis`` in contiguous slices
+    (context parallelism inside the chunked prefill, jax_mila.parallel.chunked): k, v
+    [B, C/P, H, D] are this device's slice, the chunk's tokens pos + d C/P ..; a full layer's
+    k_buf, v_buf are this device's block of a cache sharded by position in ``segments``
+    zig-zag segments per device (KVCache.seq_layout), a ring is replicated. Returns
+    (k_buf, v_buf, k_view, v_view, kv_offset) where the view is what
+    jax_mila.parallel.chunked.attention takes: the ring + chunk slab (sliding layers) or this
+    device's block of the position-sharded buffer (full layers, kv_offset unused)."""
+    k, v = k.astype(k_buf.dtype), v.astype(v_buf.dtype)
+    if ring and k.shape[1] >= k_buf.shape[1]:
+        return _ring_halo_update(k_buf, v_buf, k, v, pos, valid, axis)
+    # Invariant over the axis: every device gets the same chunk, so the replicated ring
+    # stays replicated (and shard_map can check it).
+    gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True,  # noqa: E731
+                                          to="invarying")
+    k, v = gather(k), gather(v)  # [B, C, H, D]
+    if ring:  # slices shorter than the ring: the same update on every device
+        return chunk_update(k_buf, v_buf, k, v, pos, valid, ring=True)
+    devices = jax.lax.axis_size(axis)
+    local_len = k_buf.shape[1]
+    length = local_len // segments
+    c = k.shape[1]
+    p = pos + jnp.arange(c, dtype=jnp.int32)
+    seg, within = p // length, p % length
+    # Out of range, hence dropped: local_len + i (distinct, as set_rows requires).
+    dropped = local_len + jnp.arange(c, dtype=jnp.int32)
+    slot = dropped
+    for j, s in enumerate(owned_segments(jax.lax.axis_index(axis), devices, segments)):
+        slot = jnp.where(seg == s, j * length + within, slot)
+    slot = jnp.where(jnp.arange(c) < valid, slot, dropped)  # padding is never written
+    k_buf, v_buf = set_rows(k_buf, slot, k), set_rows(v_buf, slot, v)
+    return k_buf, v_buf, k_buf, v_buf, jnp.int32(0)
+
+
+def _ring_halo_update(k_buf, v_buf, k, v, pos, valid, axis):
+    """A sliding layer's ring of R slots when each device's slice k, v [B, t, H, D] of the
+    chunk holds at least R keys (t >= R). Each device sends only its slice's last R real
+    keys (its tail), and one all-gather of the P tails gives every device both things it
+    needs: the halo of its queries (the R keys before its slice: the previous device's tail)
+    and the ring's new contents (the chunk's last R real keys: in the last tail that holds
+    real keys, or split between it and the one before). A device receives (P - 1) R keys per
+    layer instead of the chunk's (P - 1) t, and since every device gathers the same tails,
+    the ring stays replicated without a reduction.
+
+    Returns what chunk_update returns, for this device's queries: the slab is the R
+    keys before the slice (device 0: the old ring in position order) then the slice, rolled
+    left by R - n (n real keys before the slice: min(pos, R) on device 0, R elsewhere) so the
+    unwritten ring slots sit after every query; the ring is written in place."""
+    i = jax.lax.axis_index(axis)
+    t, size = k.shape[1], k_buf.shape[1]
+
+    def tail_end(d):  # one past device d's last real key in its slice, at least R
+        return jnp.clip(valid - d * t, size, t)
+
+    def gather_tails(x):  # [B, P R, H, D]: device d's tail at d R ..
+        mine = jax.lax.dynamic_slice_in_dim(x, tail_end(i) - size, size, axis=1)
+        return jax.lax.all_gather(mine, axis, axis=1, tiled=True, to="invarying")
+
+    k_tails, v_tails = gather_tails(k), gather_tails(v)
+    # The old ring in position order (pos-R .. pos-1) and the tails, materialized together:
+    # the ring writes below take their values from this barrier's tails, so XLA reads the old
+    # ring before it writes the buffer in place (chunk_update says why that matters).
+    # Every input is the same on all devices, so the outputs stay invariant over the axis.
+    k_ring, v_ring, k_tails, v_tails = jax.lax.optimization_barrier(
+        (jnp.roll(k_buf, -(pos % size), axis=1), jnp.roll(v_buf, -(pos % size), axis=1),
+         k_tails, v_tails))
+    n = jnp.where(i == 0, jnp.minimum(pos, size), size)
+
+    def slab(ring, x, tails):
+        # On device i > 0 the previous tail is the R keys before the slice whenever one of
+        # the slice's queries is real (valid > i t); otherwise none of its rows is used.
+        halo = jax.lax.dynamic_slice_in_dim(tails, jnp.maximum(i - 1, 0) * size, size, axis=1)
+        before = jnp.where(i == 0, ring, halo)
+        return jnp.roll(jnp.concatenate([before, x], axis=1), -(size - n), axis=1)
+
+    k_view, v_view = slab(k_ring, k, k_tails), slab(v_ring, v, v_tails)
+
+    # The chunk's last R real keys, c = valid - R .. valid - 1 (those before the chunk stay):
+    # key c is in device d = c // t's tail, which starts at d t + tail_end(d) - R.
+    c = valid - size + jnp.arange(size, dtype=jnp.int32)
+    d = jnp.maximum(c, 0) // t
+    src = d * size + c - d * t - (tail_end(d) - size)
+    # >= size: out of range, dropped (distinct, as set_rows requires).
+    slots = jnp.where(c >= 0, (pos + c) % size, size + jnp.arange(size, dtype=jnp.int32))
+    k_buf = set_rows(k_buf, slots, jnp.take(k_tails, src, axis=1, mode="clip"))
+    v_buf = set_rows(v_buf, slots, jnp.take(v_tails, src, axis=1, mode="clip"))
+    # Attention reads the views only once the ring is written (chunk_update says why).
+    # A barrier's outputs vary over the axis if any input does, so the replicated ring goes in
+    # as a varying copy of itself, only to order the two.
+    ring = jax.lax.pcast((k_buf, v_buf), axis, to="varying")
+    k_view, v_view, _ = jax.lax.optimization_barrier((k_view, v_view, ring))
+    return k_buf, v_buf, k_view, v_view, (pos + i * t - n).astype(jnp.int32)

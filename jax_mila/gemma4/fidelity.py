@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_mila.gemma4.generate import forward, generate, prefill
+from jax_mila.engine import forward, generate, prefill
 from jax_mila import ffi
 from jax_mila.ffi import _registry
 from jax_mila.gemma4.config import Gemma4Config

@@ -9,8 +9,7 @@ from flax import nnx
 from jax_mila import nn, reference
 from jax_mila.nn import noise
 from jax_mila.nn.linear import quantized_ops
-from jax_mila.parallel.tensor import active_axis as tensor_parallel_axis
-from jax_mila.parallel.tensor import reduce_partial_sums
+from jax_mila.parallel.layout import SINGLE_DEVICE, Layout
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:
@@ -26,13 +25,15 @@ class Gemma4MLP(nnx.Module):
         self.up_proj = nn.Linear(hidden, intermediate, **lin)
         self.down_proj = nn.Linear(intermediate, hidden, **lin)
 
-    def takes_quantized_input(self) -> bool:
+    def takes_quantized_input(self, layout: Layout = SINGLE_DEVICE) -> bool:
         """Whether __call__ may be given x already quantized (nn.QuantizedRows, e.g. from
-        add_rms_norm_quantize) and compute what it computes from x: gate_proj and up_proj W4A8
-        on one backend, no tensor parallelism (nn.shares_quantized_input)."""
-        return nn.shares_quantized_input(self.gate_proj, self.up_proj)
+        add_rms_norm_quantize) and compute what it computes from x in a step of ``layout``:
+        gate_proj and up_proj W4A8 on one backend (nn.shares_quantized_input), no tensor
+        parallelism (the layers under it quantize inside their shard_map)."""
+        return layout.heads_axis is None and nn.shares_quantized_input(self.gate_proj,
+                                                                       self.up_proj)
 
-    def fuses_geglu(self) -> bool:
+    def fuses_geglu(self, layout: Layout = SINGLE_DEVICE) -> bool:
         """Whether __call__ quantizes gelu_tanh(g) * u for down_proj in one op (quantize_geglu)
         instead of forming the product and quantizing it inside down_proj.
 
@@ -49,13 +50,14 @@ class Gemma4MLP(nnx.Module):
         return (all(lin.quantize == "w4a8" for lin in layers)
                 and len({lin.backend for lin in layers}) == 1
                 and all(jnp.dtype(lin.dtype) == jnp.dtype(jnp.bfloat16) for lin in layers)
-                and tensor_parallel_axis() is None)
+                and layout.heads_axis is None)
 
-    def __call__(self, x) -> jax.Array:
+    def __call__(self, x, layout: Layout = SINGLE_DEVICE) -> jax.Array:
         """x [..., hidden], or its W4A8 quantization (nn.QuantizedRows, where
-        takes_quantized_input())."""
+        takes_quantized_input(layout)); ``layout``: the step's split over the mesh (under
+        tensor parallelism this device holds a slice of the MLP's columns)."""
         g, u = nn.project(self.gate_proj, x), nn.project(self.up_proj, x)
-        if self.fuses_geglu():
+        if self.fuses_geglu(layout):
             rows = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731 - the op takes rank >= 2
             ops = quantized_ops(self.down_proj.backend)
             if noise.active():
@@ -66,4 +68,5 @@ class Gemma4MLP(nnx.Module):
                 q, s = ops.quantize_geglu(rows(g), rows(u))
             return self.down_proj.matmul_quantized(q, s).reshape(*x.shape[:-1], -1)
         # down_proj is row-parallel under tensor parallelism: its partial sums are all-reduced.
-        return reduce_partial_sums(self.down_proj(gelu_tanh(g) * u))
+        return layout.reduce(self.down_proj(gelu_tanh(g) * u,
+                                            row_parallel_axis=layout.heads_axis))

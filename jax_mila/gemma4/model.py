@@ -22,12 +22,16 @@ gate/up, so the normed activations are never written out.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jax_mila import nn
+from jax_mila.gemma4 import cache as kv
 from jax_mila.gemma4.attention import Gemma4Attention
 from jax_mila.gemma4.cache import KVCache
 from jax_mila.gemma4.config import Gemma4Config, LayerSpec
@@ -35,8 +39,7 @@ from jax_mila.gemma4.mlp import Gemma4MLP, gelu_tanh
 from jax_mila.gemma4.moe import Gemma4Experts, Gemma4Router
 from jax_mila.gemma4.rope import rope_tables
 from jax_mila.nn.linear import quantized_ops
-from jax_mila.parallel import chunked as cpc
-from jax_mila.parallel import context as cp
+from jax_mila.parallel.layout import CHUNK, SINGLE_DEVICE, ZIGZAG, Layout
 
 MODES = ("full", "prefill", "decode", "chunk")
 
@@ -107,9 +110,10 @@ class Gemma4DecoderLayer(nnx.Module):
             self.post_feedforward_layernorm_1 = norm()
             self.post_feedforward_layernorm_2 = norm()
 
-    def fuses_input_norm(self, dtype) -> bool:
+    def fuses_input_norm(self, dtype, layout: Layout = SINGLE_DEVICE) -> bool:
         """Whether input_layernorm(h) and the quantizer of the attention's q/k/v projections run
-        as one op (add_rms_norm_quantize without a branch) for a residual stream of ``dtype``.
+        as one op (add_rms_norm_quantize without a branch) for a residual stream of ``dtype``
+        in a step of ``layout``.
 
         Only where that op computes what the layers compute (its CPU path, the reference, is
         their expression, so CPU results are unchanged bit for bit):
@@ -121,9 +125,10 @@ class Gemma4DecoderLayer(nnx.Module):
         - input_layernorm has a weight (a decoder norm always has)."""
         return (jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
                 and self.input_layernorm.with_scale
-                and self.self_attn.takes_quantized_input())
+                and self.self_attn.takes_quantized_input(layout))
 
-    def fuses_pre_feedforward_norm(self, dtype, branch_dtype) -> bool:
+    def fuses_pre_feedforward_norm(self, dtype, branch_dtype,
+                                   layout: Layout = SINGLE_DEVICE) -> bool:
         """Whether h + post_attention_layernorm(a), pre_feedforward_layernorm and the quantizer
         of the MLP's gate/up projections run as one op (add_rms_norm_quantize with the
         attention output as its branch), for h of ``dtype`` and a of ``branch_dtype``.
@@ -136,7 +141,7 @@ class Gemma4DecoderLayer(nnx.Module):
         post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
         return (jnp.dtype(dtype) == bf16 and jnp.dtype(branch_dtype) == bf16
                 and post.with_scale and pre.with_scale and post.eps == pre.eps
-                and self.mlp.takes_quantized_input())
+                and self.mlp.takes_quantized_input(layout))
 
     def moe(self, h):
         """The routed experts' output for the residual stream h [..., H]. Where the experts
@@ -154,22 +159,25 @@ class Gemma4DecoderLayer(nnx.Module):
             x = norm(flat)
         return self.experts(x, weights, idx).reshape(h.shape)
 
-    def __call__(self, h, ple_i, cos, sin, **attn_kwargs):
-        if self.fuses_input_norm(h.dtype):
+    def __call__(self, h, ple_i, cos, sin, *, layout: Layout = SINGLE_DEVICE, **attn_kwargs):
+        """h [B, T, H] -> (h, the attention's K/V view, its new cache entry); ``layout``: the
+        step's split over the mesh, passed on to the attention and the MLP; ``attn_kwargs``:
+        Gemma4Attention's."""
+        if self.fuses_input_norm(h.dtype, layout):
             ops, norm = quantized_ops(self.self_attn.q_proj.backend), self.input_layernorm
             x = nn.QuantizedRows(*ops.add_rms_norm_quantize(h, norm_weight=norm.weight[...],
                                                             eps=norm.eps))
         else:
             x = self.input_layernorm(h)
-        a, kv_view, entry = self.self_attn(x, cos, sin, **attn_kwargs)
-        if self.fuses_pre_feedforward_norm(h.dtype, a.dtype):
+        a, kv_view, entry = self.self_attn(x, cos, sin, layout=layout, **attn_kwargs)
+        if self.fuses_pre_feedforward_norm(h.dtype, a.dtype, layout):
             post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
             h, q, s = quantized_ops(self.mlp.gate_proj.backend).add_rms_norm_quantize(
                 h, a, branch_weight=post.weight[...], norm_weight=pre.weight[...], eps=pre.eps)
-            f = self.mlp(nn.QuantizedRows(q, s))
+            f = self.mlp(nn.QuantizedRows(q, s), layout)
         else:
             h = h + self.post_attention_layernorm(a)
-            f = self.mlp(self.pre_feedforward_layernorm(h))
+            f = self.mlp(self.pre_feedforward_layernorm(h), layout)
         if self.has_moe:
             f = self.post_feedforward_layernorm_1(f) + self.post_feedforward_layernorm_2(
                 self.moe(h))
@@ -181,21 +189,22 @@ class Gemma4DecoderLayer(nnx.Module):
 
 
 def run_layers(layers, h, tables, entries, *, offset, mode, max_len, valid, first_chunk=False,
-               ple=None, kv_sources=frozenset(), return_layers=False):
+               ple=None, kv_sources=frozenset(), return_layers=False,
+               layout: Layout = SINGLE_DEVICE):
     """Decoder layers ``layers`` (consecutive, with their cache ``entries``: None where a layer
-    has none) on the hidden state h, as Gemma4ForCausalLM.hidden_states runs them; the chunked
-    prefill's pieces (gemma4/pieces.py) run slices of the stack through it too, so that both
-    compute the same. ``tables``: rope_tables per layer type; ``ple``: [B, T, len(layers), D]
+    has none) on the hidden state h, as Gemma4ForCausalLM.hidden_states runs them; the engine's
+    layer pieces run slices of the stack through it too (PieceRunner), so that both compute
+    the same. ``tables``: rope_tables per layer type; ``ple``: [B, T, len(layers), D]
     per-layer inputs or None; ``kv_sources``: indices (into ``layers``) of the layers whose K/V
-    view the KV-shared layers of their type read. Returns (h, new entries, each layer's output
-    or None)."""
+    view the KV-shared layers of their type read; ``layout``: the step's split over the mesh.
+    Returns (h, new entries, each layer's output or None)."""
     shared, new_entries, outputs = {}, [], [] if return_layers else None
     for i, (layer, entry) in enumerate(zip(layers, entries)):
         spec = layer.spec
         h, kv_view, new_entry = layer(
             h, ple[:, :, i] if ple is not None else None, *tables[spec.layer_type],
             offset=offset, mode=mode, entry=entry, max_len=max_len, valid=valid,
-            first_chunk=first_chunk,
+            first_chunk=first_chunk, layout=layout,
             shared=shared.get(spec.layer_type) if spec.is_kv_shared else None)
         if i in kv_sources:
             shared[spec.layer_type] = kv_view
@@ -205,11 +214,38 @@ def run_layers(layers, h, tables, entries, *, offset, mode, max_len, valid, firs
     return h, new_entries, outputs
 
 
+@dataclasses.dataclass(frozen=True)
+class PieceRunner:
+    """Runs one piece of a prefill chunk: consecutive decoder layers given only their modules
+    (Gemma4ForCausalLM.piece_modules), each layer exactly as hidden_states(mode="chunk") runs
+    it, on one device. The engine jits one call per piece with just that piece's weights as
+    arguments (jax_mila.engine.pieces); this object is a static argument there, hashable and
+    compared by value (the RoPE specs per layer type and the model's dtype)."""
+
+    rope: tuple  # (layer type, RopeSpec) pairs
+    dtype: Any
+
+    def __call__(self, modules, x, entries, *, offset, valid, max_len, first_chunk):
+        """``modules`` (embedding or None, layers): x is the chunk's token ids where the piece
+        has the embedding, else the hidden state before its first layer. Returns (the hidden
+        state after its last layer, its layers' new cache entries)."""
+        embed, layers = modules
+        h = embed(x) if embed is not None else x
+        positions = offset + jnp.arange(h.shape[1], dtype=jnp.int32)
+        tables = {layer_type: rope_tables(spec, positions, self.dtype)
+                  for layer_type, spec in self.rope}
+        h, new_entries, _ = run_layers(layers, h, tables, entries, offset=offset, mode="chunk",
+                                       max_len=max_len, valid=valid, first_chunk=first_chunk)
+        return h, tuple(new_entries)
+
+
 class Gemma4ForCausalLM(nnx.Module):
     """The text decoder with its (tied) output head.
 
     ``model(input_ids)`` with int32 [B, S] returns softcapped logits [B, S, vocab] in ``dtype``.
-    Prefill and cached decoding go through jax_mila.gemma4.prefill / generate.
+    Prefill and cached decoding go through jax_mila.gemma4.prefill / generate (jax_mila.engine),
+    which run the model through hidden_states, logits and the methods under "what the engine
+    calls" below.
     """
 
     def __init__(self, cfg: Gemma4Config, *, dtype=jnp.bfloat16, param_dtype=None,
@@ -259,7 +295,7 @@ class Gemma4ForCausalLM(nnx.Module):
 
     def hidden_states(self, input_ids, *, mode: str = "full", cache: KVCache | None = None,
                       max_len: int = 0, valid=None, first_chunk: bool = False,
-                      return_layers: bool = False):
+                      return_layers: bool = False, layout: Layout = SINGLE_DEVICE):
         """Runs the decoder stack. Returns (hidden [B, T, H] before the final norm, new cache).
 
         mode "full": no cache. "prefill": positions from 0, returns a new KVCache with capacity
@@ -268,6 +304,11 @@ class Gemma4ForCausalLM(nnx.Module):
         tokens are real; the returned cache's length grows by ``valid``. ``first_chunk``
         (static, mode "chunk"): the caller promises cache.length == 0, so the sliding layers
         attend over the chunk's own keys (cache.chunk_update's ``first``).
+
+        ``layout`` (jax_mila.parallel.Layout): how the step that traces this call splits its
+        work over the mesh (inside jax.shard_map); the default is one device. With seq_split
+        "zigzag" input_ids are this device's tokens of a zig-zag sharded sequence (mode "full"
+        only), with "chunk" its slice of a prefill chunk (mode "chunk" only).
 
         ``return_layers=True`` appends a third result: every decoder layer's output [B, T, H]
         stacked to [L, B, T, H] (HF's output_hidden_states without the embedding), so the
@@ -281,16 +322,11 @@ class Gemma4ForCausalLM(nnx.Module):
         offset = cache.length if cached else jnp.int32(0)
         max_len = cache.max_len if cached else max_len
         valid = t if valid is None else valid
-        if cp.active_axis() is not None:  # this device's slice of a zig-zag sharded sequence
-            if mode != "full":
-                raise ValueError(f"context parallelism runs mode 'full' only, got {mode!r}")
-            positions = cp.local_positions(t)
-        elif cpc.active_axis() is not None:  # this device's slice of a prefill chunk
-            if mode != "chunk":
-                raise ValueError(f"chunked context parallelism runs mode 'chunk' only, got {mode!r}")
-            positions = cpc.local_positions(offset, t)
-        else:
-            positions = offset + jnp.arange(t, dtype=jnp.int32)
+        if layout.seq_split == ZIGZAG and mode != "full":
+            raise ValueError(f"context parallelism runs mode 'full' only, got {mode!r}")
+        if layout.seq_split == CHUNK and mode != "chunk":
+            raise ValueError(f"chunked context parallelism runs mode 'chunk' only, got {mode!r}")
+        positions = layout.positions(offset, t)
         h = self.embed_tokens(input_ids)
         ple = self.per_layer_inputs(input_ids, h) if cfg.has_ple else None
         tables = {lt: rope_tables(spec, positions, self.dtype) for lt, spec in cfg.rope.items()}
@@ -300,7 +336,7 @@ class Gemma4ForCausalLM(nnx.Module):
         h, new_entries, layer_outputs = run_layers(
             self.layers, h, tables, entries, offset=offset, mode=mode, max_len=max_len,
             valid=valid, first_chunk=first_chunk, ple=ple, kv_sources=sources,
-            return_layers=return_layers)
+            return_layers=return_layers, layout=layout)
         keys = [e[0] if e is not None else None for e in new_entries]
         values = [e[1] if e is not None else None for e in new_entries]
         new_cache = None if mode == "full" else KVCache(
@@ -315,3 +351,32 @@ class Gemma4ForCausalLM(nnx.Module):
         (``check_input_ids``: integer ids; concrete ones in [0, vocab_size))."""
         h, _ = self.hidden_states(check_input_ids(input_ids, self.config.vocab_size))
         return self.logits(h)
+
+    # ---- what the engine calls --------------------------------------------------------------
+
+    def check_input_ids(self, input_ids) -> jax.Array:
+        """``input_ids`` as int32 [B, S], checked against this model's vocabulary
+        (the module's check_input_ids)."""
+        return check_input_ids(input_ids, self.config.vocab_size)
+
+    def empty_cache(self, batch: int, max_len: int, *, full_dtype=None,
+                    seq_layout=()) -> KVCache:
+        """A zero KVCache of capacity ``max_len`` for this model, at length 0 (cache.empty)."""
+        return kv.empty(self.config, batch, max_len, self.dtype, full_dtype=full_dtype,
+                        seq_layout=seq_layout)
+
+    def runs_in_pieces(self) -> bool:
+        """Whether a prefill chunk may run in pieces of consecutive layers, each its own step
+        (PieceRunner): only where a layer reads nothing but its own cache entry and the hidden
+        state before it, so not with per-layer embeddings or KV-shared layers."""
+        cfg = self.config
+        return not (cfg.has_ple or cfg.num_kv_shared_layers) and len(self.layers) > 0
+
+    def piece_modules(self, start: int, stop: int) -> tuple:
+        """The modules a piece of layers [start, stop) runs with: (the embedding for the first
+        piece, else None; the layers)."""
+        return (self.embed_tokens if start == 0 else None, tuple(self.layers[start:stop]))
+
+    def piece_runner(self) -> PieceRunner:
+        """The static function that runs a piece's modules (PieceRunner)."""
+        return PieceRunner(rope=tuple(sorted(self.config.rope.items())), dtype=self.dtype)

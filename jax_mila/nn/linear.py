@@ -37,7 +37,6 @@ from jax_mila import ffi, reference
 from jax_mila.ffi._registry import log_fallback
 from jax_mila.nn import noise
 from jax_mila.nn.backend import check_backend
-from jax_mila.parallel.tensor import active_axis as tensor_parallel_axis
 from jax_mila.quant.mxfp4 import MXFP4Weight, padded_k, quantize_mxfp4
 
 QUANTIZE_MODES = (None, "w4a8")
@@ -73,13 +72,13 @@ def shares_quantized_input(*linears: "Linear") -> bool:
     """Whether these projections of one activation may take it quantized once, outside them
     (QuantizedRows), and compute what they compute from the activation itself: every one W4A8
     (its input is quantized at all), all on one backend (by the same ops: quantized_ops), and no
-    tensor parallelism (kept out: the layers under it quantize inside their shard_map), and no
     noise.quantizer_noise (the probe perturbs each projection's own quantizer input, in _w4a8;
     the fused norm + quantizer's reference is the unfused expression, so only the noise moves).
+    Row-parallel projections (``row_parallel_axis``) quantize their rows themselves, so callers
+    that split projections over a mesh keep them out.
     """
     return (all(lin.quantize == "w4a8" for lin in linears)
             and len({lin.backend for lin in linears}) == 1
-            and tensor_parallel_axis() is None
             and not noise.active())
 
 
@@ -225,9 +224,18 @@ class Linear(nnx.Module):
 
     # ---- forward --------------------------------------------------------------------------
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, row_parallel_axis: str | None = None) -> jax.Array:
+        """x [..., in_features] -> [..., out_features]. ``row_parallel_axis``: the mesh axis
+        this layer's input features (and weight rows) are split over inside jax.shard_map
+        (row parallelism under tensor parallelism, jax_mila.parallel.tensor); x then holds this
+        device's slice of each row and the result is its partial sum. W4A8 quantizes the slice
+        by the whole row's amax (one pmax over the axis)."""
+        if self.use_bias and row_parallel_axis is not None:
+            raise ValueError(f"Linear {self.in_features} -> {self.out_features}: a bias on a "
+                             "row-parallel layer is not supported (each device's partial sum "
+                             "would add it)")
         if self.quantize == "w4a8":
-            return self._w4a8(x)
+            return self._w4a8(x, row_parallel_axis)
         x = x.astype(self.dtype)
         kernel = self.kernel[...].astype(self.dtype)
         y = jnp.einsum("...i,io->...o", x, kernel, preferred_element_type=jnp.float32)
@@ -235,7 +243,7 @@ class Linear(nnx.Module):
             y = self._add_bias(y)
         return y.astype(self.dtype)
 
-    def _w4a8(self, x: jax.Array) -> jax.Array:
+    def _w4a8(self, x: jax.Array, row_parallel_axis: str | None) -> jax.Array:
         ops = quantized_ops(self.backend)
         lead = x.shape[:-1]
         # The quantizer takes bf16 rows (rank >= 2); a float32 model's activations are rounded
@@ -244,12 +252,12 @@ class Linear(nnx.Module):
         # layer holds a slice of its weight (jax_mila/parallel/tensor.py).
         # noise.perturb: the identity, except inside noise.quantizer_noise (a sensitivity probe).
         rows = noise.perturb(x.astype(jnp.bfloat16).reshape(-1, x.shape[-1]))
-        axis = tensor_parallel_axis()
-        if axis is not None and x.shape[-1] != self.in_features:
+        if row_parallel_axis is not None and x.shape[-1] != self.in_features:
             # Row-parallel under tensor parallelism: this device holds a slice of each row. Scale
             # it by the whole row's amax (one pmax), so the FP8 codes and the partial sums are
             # those of one device; the quantizer is then XLA's (fused), not the kernel.
-            amax = jax.lax.pmax(jnp.max(jnp.abs(rows.astype(jnp.float32)), axis=-1), axis)
+            amax = jax.lax.pmax(jnp.max(jnp.abs(rows.astype(jnp.float32)), axis=-1),
+                                row_parallel_axis)
             q, s = reference.quantize_activations(rows, amax=amax)
         else:
             q, s = ops.quantize_activations(rows)
@@ -281,8 +289,4 @@ class Linear(nnx.Module):
 
     def _add_bias(self, y: jax.Array) -> jax.Array:
         """The float32 product plus the bias, in float32."""
-        if tensor_parallel_axis() is not None:
-            raise ValueError(f"Linear {self.in_features} -> {self.out_features}: a bias under "
-                             "tensor parallelism is not supported (row-parallel partial sums "
-                             "would each add it)")
         return y + self.bias[...].astype(jnp.float32)

@@ -24,14 +24,15 @@ inputs (after attention and the GeGLU) see none of it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 
-from jax_mila.parallel._scope import TraceScope
-
-_NOISE = TraceScope("jax_mila_quantizer_noise")
+# The probe's state while quantizer_noise is active: a context variable, since the probe wraps
+# the tracing of a whole model rather than being passed to each projection.
+_NOISE: contextvars.ContextVar = contextvars.ContextVar("jax_mila_quantizer_noise", default=None)
 _BF16_MAX_FINITE_BITS = 0x7F7F  # the largest finite bf16 magnitude
 
 
@@ -48,8 +49,11 @@ def quantizer_noise(key: jax.Array, rate: float):
     by one bf16 ulp (see the module docstring). Wrap the tracing (or eager run) of a model."""
     if not 0.0 < rate <= 1.0:
         raise ValueError(f"rate must be in (0, 1], got {rate}")
-    with _NOISE.bound(_Noise(key, float(rate))):
+    token = _NOISE.set(_Noise(key, float(rate)))
+    try:
         yield
+    finally:
+        _NOISE.reset(token)
 
 
 def active() -> bool:

@@ -12,14 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-
-def rms_norm(x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6) -> jax.Array:
-    """x * (mean(x^2) + eps)^-0.5 [* weight], in float32, cast back to x.dtype."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jnp.power(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps, -0.5)
-    if weight is not None:
-        y = y * weight.astype(jnp.float32)
-    return y.astype(x.dtype)
+from jax_mila.reference.norm import rms_norm  # the function, beside the ops' references
 
 
 class RMSNorm(nnx.Module):

@@ -20,7 +20,9 @@ chunk, P, follows its own first chunk). Requires C >= W-1.
 
 Both functions run inside `jax.shard_map` with the sequence axis of q, k, v sharded over
 `axis_name`; `attention` is any function with the contract of jax_mila.ffi.flash_attention
-(the CUDA kernel, or jax_mila.reference.flash_attention on CPU).
+(the CUDA kernel, or jax_mila.reference.flash_attention on CPU). A model's layers reach them
+through jax_mila.parallel.Layout (seq_split "zigzag"), which also gives them their tokens'
+positions (`zigzag_positions`).
 """
 
 from __future__ import annotations
@@ -29,36 +31,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mila.parallel._scope import TraceScope
 
-
-_AXIS = TraceScope("jax_mila_context_parallel_axis")
-
-
-def context_parallel(axis: str):
-    """Within this context (while tracing inside shard_map with the sequence sharded over
-    `axis` in zig-zag order), the Gemma 4 model takes its positions from the layout and runs
-    its attention layers as ring (causal) or halo (sliding window) attention."""
-    return _AXIS.bound(axis)
-
-
-def active_axis() -> str | None:
-    return _AXIS.get()
-
-
-def local_positions(local_len: int) -> jax.Array:
-    """Positions of this device's tokens in the zig-zag layout (inside context_parallel)."""
-    axis = _AXIS.get()
+def zigzag_positions(local_len: int, axis: str) -> jax.Array:
+    """Positions of this device's `local_len` tokens in the zig-zag layout over `axis`."""
     p, i = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     c = local_len // 2
     r = jnp.arange(c, dtype=jnp.int32)
     return jnp.concatenate([i * c + r, (2 * p - 1 - i) * c + r])
 
 
-def layer_attention(q, k, v, attn, *, window):
-    """Attention of the local zig-zag slices through `attn` (an nn.Attention: its backend and
-    scale): ring attention for causal layers, halo exchange for sliding windows."""
-    axis = _AXIS.get()
+def layer_attention(q, k, v, attn, *, window, axis: str):
+    """Attention of the local zig-zag slices over `axis` through `attn` (an nn.Attention: its
+    backend and scale): ring attention for causal layers, halo exchange for sliding windows."""
     # attn is always causal and owns the scale; the ring and halo pass both.
     fn = lambda q, k, v, *, scale, causal, **kw: attn(q, k, v, **kw)  # noqa: E731
     if window is None:

@@ -11,8 +11,8 @@ codes, block exponents and channel exponents), a row split cuts the contraction 
 groups (the packed codes and block exponents along K; the channel exponent stays whole), so a
 device holds only its slice and computes what the single-device kernel computes on it.
 
-The model runs inside `jax.shard_map` with the specs from `param_specs`, under
-`tensor_parallel(axis)`, which is how the layers know to reduce.
+The model runs inside `jax.shard_map` with the specs from `param_specs`; the layers learn the
+axis from the jax_mila.parallel.Layout they are given (its heads_axis).
 """
 
 from __future__ import annotations
@@ -21,32 +21,18 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jax_mila.ffi.w4a8 import K_MULTIPLE as W4A8_K_MULTIPLE
-from jax_mila.parallel._scope import TraceScope
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 KV_PROJECTIONS = ("k_proj", "v_proj")
 
-_AXIS = TraceScope("jax_mila_tensor_parallel_axis")
 
-
-def tensor_parallel(axis: str):
-    """Within this context (while tracing inside shard_map), row-parallel outputs are summed
-    over `axis`."""
-    return _AXIS.bound(axis)
-
-
-def active_axis() -> str | None:
-    return _AXIS.get()
-
-
-def reduce_partial_sums(x: jax.Array) -> jax.Array:
-    """All-reduce of a row-parallel projection's partial sums (identity without TP)."""
-    axis = _AXIS.get()
+def reduce_partial_sums(x: jax.Array, axis: str | None) -> jax.Array:
+    """All-reduce over `axis` of a row-parallel projection's partial sums (identity for None)."""
     return x if axis is None else jax.lax.psum(x, axis)
 
 
-def kv_heads_for_local_queries(k, v, *, num_heads: int, num_kv_heads: int,
+def kv_heads_for_local_queries(k, v, *, axis: str | None, num_heads: int, num_kv_heads: int,
                                local_q_heads: int):
     """The K/V heads this device's query heads read.
 
@@ -57,11 +43,10 @@ def kv_heads_for_local_queries(k, v, *, num_heads: int, num_kv_heads: int,
     tp = num_heads // local_q_heads
     if tp == 1 or k.shape[2] * tp == num_kv_heads:
         return k, v
-    axis = _AXIS.get()
     if axis is None or k.shape[2] != num_kv_heads or tp % num_kv_heads:
         raise ValueError(f"tensor parallel: {local_q_heads} of {num_heads} query heads over "
-                         f"{k.shape[2]} of {num_kv_heads} KV heads (inside tensor_parallel(), "
-                         "KV heads must be split evenly or replicated with tp a multiple of them)")
+                         f"{k.shape[2]} of {num_kv_heads} KV heads on heads axis {axis!r} (KV "
+                         "heads must be split evenly or replicated with tp a multiple of them)")
     group = num_heads // num_kv_heads
     head = jax.lax.axis_index(axis) * local_q_heads // group
     pick = lambda x: jax.lax.dynamic_slice_in_dim(x, head, 1, axis=2)  # noqa: E731
@@ -133,10 +118,3 @@ def check_config(cfg, axis_size: int) -> None:
         if spec.intermediate_size % axis_size:
             fail(f"layer {i}: MLP width {spec.intermediate_size} does not divide evenly")
 
-
-def forward(model, input_ids, mesh, *, axis: str = "heads"):
-    """Logits of `model(input_ids)` with the model's heads and MLP split over `axis` of `mesh`
-    (jax_mila.parallel.sharded.forward with the sequence unsplit)."""
-    from jax_mila.parallel import sharded  # noqa: PLC0415 - sharded imports this module
-
-    return sharded.forward(model, input_ids, mesh, heads_axis=axis, seq_axis=None)

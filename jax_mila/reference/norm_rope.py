@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jax_mila.reference.norm import rms_norm
 from jax_mila.reference.quantize import _round_to_bf16
 
 
@@ -39,8 +40,6 @@ def rotate_half(x):
 def rms_norm_rope(x, weight, cos, sin, *, eps):
     """x: bf16 [..., T, H, D]; weight: [D] (any float dtype: rms_norm uses it in float32);
     cos, sin: bf16 [T, D]; eps: a Python float. Returns bf16 [..., T, H, D]."""
-    from jax_mila.nn.norm import rms_norm  # noqa: PLC0415 - jax_mila.nn imports this package
-
     f32 = jnp.float32
     # rms_norm of a float32 x is the model's norm without its final cast.
     n = _round_to_bf16(rms_norm(x.astype(f32), weight, eps))

@@ -49,6 +49,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_mila.reference.norm import rms_norm
+
 E4M3_MAX = 448.0
 INV_E4M3_MAX = 1.0 / 448.0  # rounded to float32 where used
 QUANT_MIN_AMAX = 2.0**-112
@@ -103,8 +105,6 @@ def add_rms_norm_quantize(x, branch=None, *, branch_weight=None, norm_weight, ep
     With ``branch``: h = x + rms_norm(branch, branch_weight, eps) (bf16) and (q, scale) =
     quantize_activations(rms_norm(h, norm_weight, eps)); returns (h, q, scale). Without:
     (q, scale) of rms_norm(x, norm_weight, eps)."""
-    from jax_mila.nn.norm import rms_norm  # noqa: PLC0415 - jax_mila.nn imports this package
-
     h = x if branch is None else x + rms_norm(branch, branch_weight, eps)
     y = rms_norm(h, norm_weight, eps)
     # What nn.Linear's W4A8 path does with its input: bf16 (already), rows, the quantizer.
