@@ -151,6 +151,18 @@ class TensorParallelTest(parameterized.TestCase):
         self.assertEqual(flat[layer(1, "mlp", "up_proj", "channel_exp")], P("heads"))
         self.assertEqual(flat[("embed_tokens", "weight")], P())
 
+    def test_refuses_a_row_parallel_weight_stored_padded(self):
+        # down_proj's K = 96 is stored padded to 128: split along K, its slices would not line
+        # up with the activations' (48 + 48 columns against 64 + 64).
+        model = gemma4.Gemma4ForCausalLM(_config(intermediate_size=96), dtype=jnp.float32,
+                                         quantize="w4a8")
+        self.assertEqual(model.layers[0].mlp.down_proj.quantize, "w4a8")
+        _, state = nnx.split(model)
+        with self.assertRaisesRegex(ValueError, r"down_proj has K=96, stored padded to 128"):
+            tensor.param_specs(state, axis="heads", axis_size=2,
+                               num_kv_heads_of_layer=lambda i: model.config.layers[i].num_kv_heads,
+                               intermediate_of_layer=lambda i: 96)
+
     def test_one_all_reduce_per_block_and_no_weight_gather(self):
         model = gemma4.Gemma4ForCausalLM(_config(), dtype=jnp.float32)
         ids = jnp.zeros((1, 8), jnp.int32)

@@ -40,8 +40,10 @@ def _weight_specs(model, state, mesh, tp_axis: str | None):
         return 1, jax.tree.map(lambda _: P(), state)
     cfg, tp_size = model.config, mesh.shape[tp_axis]
     tensor.check_config(cfg, tp_size)
-    return tp_size, tensor.param_specs(state, axis=tp_axis, axis_size=tp_size,
-                                       num_kv_heads_of_layer=lambda i: cfg.layers[i].num_kv_heads)
+    return tp_size, tensor.param_specs(
+        state, axis=tp_axis, axis_size=tp_size,
+        num_kv_heads_of_layer=lambda i: cfg.layers[i].num_kv_heads,
+        intermediate_of_layer=lambda i: cfg.layers[i].intermediate_size)
 
 
 def _named(mesh, specs):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jax_mila.ffi.w4a8 import K_MULTIPLE as W4A8_K_MULTIPLE
+from jax_mila.quant.mxfp4 import GROUP as W4A8_K_GROUP
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
@@ -53,7 +53,8 @@ def kv_heads_for_local_queries(k, v, *, axis: str | None, num_heads: int, num_kv
     return pick(k), pick(v)
 
 
-def _leaf_spec(names: list[str], shape: tuple, axis: str, axis_size: int, split_kv: bool) -> P:
+def _leaf_spec(names: list[str], shape: tuple, axis: str, axis_size: int, split_kv: bool,
+               in_features: int | None = None) -> P:
     module = next((n for n in reversed(names) if n.endswith("_proj")), None)
     leaf = names[-1]
     if module is None or (module in KV_PROJECTIONS and not split_kv):
@@ -64,11 +65,18 @@ def _leaf_spec(names: list[str], shape: tuple, axis: str, axis_size: int, split_
     if leaf == "kernel":  # dense [in, out]
         return P(None, axis) if column else P(axis, None)
     if leaf in ("packed", "scales"):  # MXFP4 [out, K / 2] and [out, K / 32]
-        # A row-parallel slice must keep whole K groups of the W4A8 kernel.
-        if not column and leaf == "packed" and (2 * shape[1]) % (axis_size * W4A8_K_MULTIPLE):
+        # A row-parallel slice must keep whole K groups of the stored weight, and the stored K
+        # must be the layer's own (not padded past in_features), or the slices of the weight
+        # would not line up with those of the activations.
+        if not column and leaf == "packed" and in_features not in (None, 2 * shape[-1]):
             raise ValueError(f"tensor parallel over {axis_size} devices: {'.'.join(names[:-1])} "
-                             f"has K={2 * shape[1]}; its W4A8 slices need K / {axis_size} to be "
-                             f"a multiple of {W4A8_K_MULTIPLE}")
+                             f"has K={in_features}, stored padded to {2 * shape[-1]}; its W4A8 "
+                             f"weight cannot be split along K (K must be a multiple of "
+                             f"{W4A8_K_GROUP})")
+        if not column and leaf == "packed" and (2 * shape[-1]) % (axis_size * W4A8_K_GROUP):
+            raise ValueError(f"tensor parallel over {axis_size} devices: {'.'.join(names[:-1])} "
+                             f"has K={2 * shape[-1]}; its W4A8 slices need K / {axis_size} to be "
+                             f"a multiple of {W4A8_K_GROUP}")
         return P(axis, None) if column else P(None, axis)
     if leaf == "channel_exp":  # [out]
         return P(axis) if column else P()
@@ -83,17 +91,22 @@ def _key_name(key) -> str:
     return str(key)
 
 
-def param_specs(state, *, axis: str, axis_size: int, num_kv_heads_of_layer):
+def param_specs(state, *, axis: str, axis_size: int, num_kv_heads_of_layer,
+                intermediate_of_layer=None):
     """PartitionSpecs for an nnx.State of Gemma4ForCausalLM: `num_kv_heads_of_layer(i)` gives
-    layer i's KV heads (K/V projections split only where they divide by `axis_size`)."""
+    layer i's KV heads (K/V projections split only where they divide by `axis_size`),
+    `intermediate_of_layer(i)` its MLP width (down_proj's K)."""
 
     def spec(path, leaf):
         names = [p for p in path if p not in ("", "value")]  # nnx.Variable's own levels
-        split_kv = False
+        split_kv, in_features = False, None
         if "layers" in names:
             layer = int(names[names.index("layers") + 1])
             split_kv = num_kv_heads_of_layer(layer) % axis_size == 0
-        return _leaf_spec(names, tuple(getattr(leaf, "shape", ())), axis, axis_size, split_kv)
+            if "down_proj" in names and intermediate_of_layer is not None:
+                in_features = intermediate_of_layer(layer)
+        return _leaf_spec(names, tuple(getattr(leaf, "shape", ())), axis, axis_size, split_kv,
+                          in_features)
 
     return jax.tree_util.tree_map_with_path(
         lambda path, leaf: spec(tuple(_key_name(k) for k in path), leaf),
@@ -117,4 +130,5 @@ def check_config(cfg, axis_size: int) -> None:
                  "divide them")
         if spec.intermediate_size % axis_size:
             fail(f"layer {i}: MLP width {spec.intermediate_size} does not divide evenly")
+
 
