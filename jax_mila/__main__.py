@@ -330,9 +330,10 @@ def main(argv=None) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     from jax_mila import _env
+    from jax_mila.ffi._registry import disabled_ops
 
     try:
-        _env.check_all()
+        disabled_ops()  # JAX_MILA_DISABLE, checked before any work
         _main(args, parser)
     except _env.EnvError as e:  # a JAX_MILA_* variable: one line, no traceback
         _fail(parser, str(e))

@@ -40,49 +40,19 @@ def _clean_env(**values):
 
 class EnvKnobTest(parameterized.TestCase):
 
-    @parameterized.named_parameters(
-        ("not_integer", "x", "'x' is not supported (supported: an integer >= 1; unset it"),
-        ("float", "2.5", "'2.5' is not supported (supported: an integer >= 1;"),
-        ("below", "0", "'0' is not supported (supported: an integer >= 1;"),
-    )
-    def test_integer_names_variable_value_and_range(self, value, message):
-        with _clean_env(JAX_MILA_T=value), self.assertRaisesRegex(
-                _env.EnvError, re.escape(f"environment variable JAX_MILA_T={message}")):
-            _env.integer("JAX_MILA_T", 6, minimum=1)
-
-    def test_unset_and_empty_take_the_default(self):
+    def test_disable_names_variable_value_and_the_ops(self):
+        with _clean_env(JAX_MILA_DISABLE="flash"), self.assertRaisesRegex(
+                _env.EnvError, r"JAX_MILA_DISABLE='flash' names unknown ops \['flash'\] "
+                               r"\(supported: a comma-separated list of \[.*'w4a8_matmul'"):
+            ffi._registry.disabled_ops()
         with _clean_env():
-            self.assertEqual(_env.integer("JAX_MILA_T", 6, minimum=1), 6)
-            self.assertTrue(_env.flag("JAX_MILA_T", True))
-            self.assertEqual(_env.names("JAX_MILA_T", ("a", "b")), frozenset())
-        with _clean_env(JAX_MILA_T=""):
-            self.assertEqual(_env.choice("JAX_MILA_T", ("a",), "d"), "d")
-        with _clean_env(JAX_MILA_T="17"):
-            self.assertEqual(_env.integer("JAX_MILA_T", 6, minimum=1, maximum=64), 17)
-        with _clean_env(JAX_MILA_T="0"):
-            self.assertFalse(_env.flag("JAX_MILA_T", True))
-        with _clean_env(JAX_MILA_T=" a , all"):
-            self.assertEqual(_env.names("JAX_MILA_T", ("a", "b")), frozenset({"a", "b"}))
-
-    @parameterized.parameters("yes", "true", " 1", "2")
-    def test_switch_takes_0_or_1_only(self, value):
-        with _clean_env(JAX_MILA_T=value), self.assertRaisesRegex(
-                _env.EnvError, re.escape(f"JAX_MILA_T={value!r} is not supported (supported: 0, 1;")):
-            _env.flag("JAX_MILA_T", True)
-
-    @parameterized.parameters(("JAX_MILA_PREFILL_PIECE_LAYERS", "six"),
-                              ("JAX_MILA_PREFILL_PIECE_LAYERS", "0"),
-                              ("JAX_MILA_PREFILL_ONE_STEP", "on"),
-                              ("JAX_MILA_DISABLE", "flash"))
-    def test_check_all_covers_every_python_knob(self, name, value):
-        with _clean_env(**{name: value}), self.assertRaisesRegex(_env.EnvError, name):
-            _env.check_all()
+            self.assertEqual(ffi._registry.disabled_ops(), frozenset())
+        with _clean_env(JAX_MILA_DISABLE=" w4a8_matmul , all"):
+            self.assertEqual(ffi._registry.disabled_ops(), frozenset(ffi.OPS))
 
     def test_every_knob_read_in_the_package_is_known(self):
-        # A JAX_MILA_* name that appears in the package or the kernels but not in _env's
-        # tables would be read without a check.
-        known = set(_env.KERNEL_KNOBS) | set(_env.SWITCHES) | set(_env.INTEGERS) | {
-            "JAX_MILA_DISABLE"}
+        # A JAX_MILA_* name that appears in the package or the kernels but not in _env.KNOBS
+        # would be read without a check.
         read = set()
         for root in ("jax_mila", "csrc"):
             for folder, _, files in os.walk(os.path.join(REPO, root)):
@@ -93,8 +63,8 @@ class EnvKnobTest(parameterized.TestCase):
                         read |= set(re.findall(r"getenv\(\"(JAX_MILA_\w+)\"\)", text))
                         read |= set(re.findall(r"environ\.get\(\"(JAX_MILA_\w+)\"", text))
                         read |= set(re.findall(r"_ENV = \"(JAX_MILA_\w+)\"", text))
-        self.assertGreaterEqual(len(read), 3)  # the registry's and the prefill pieces' knobs
-        self.assertEqual(read - known, set())
+        self.assertIn("JAX_MILA_DISABLE", read)  # the scan sees the registry's knob
+        self.assertEqual(read - set(_env.KNOBS), set())
 
 
 class AttentionArgumentsTest(parameterized.TestCase):

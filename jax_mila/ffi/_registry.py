@@ -70,7 +70,6 @@ def _registered_targets() -> frozenset[str]:
     module, _ = _load_extension()
     if module is None:
         return frozenset()
-    _env.check_kernel_knobs()  # the handlers read them once, silently ignoring unknown values
     targets = module.registrations()
     for name, capsule in targets.items():
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")

@@ -37,7 +37,7 @@ from jax_mila import ffi, reference
 from jax_mila.ffi._registry import log_fallback
 from jax_mila.nn import noise
 from jax_mila.nn.backend import check_backend
-from jax_mila.quant.mxfp4 import MXFP4Weight, padded_k, quantize_mxfp4
+from jax_mila.quant.mxfp4 import GROUP, MXFP4Weight, padded_k, quantize_mxfp4
 
 QUANTIZE_MODES = (None, "w4a8")
 W4A8_K_MULTIPLE = ffi.w4a8.K_MULTIPLE  # 32: whole MXFP4 blocks
@@ -275,7 +275,10 @@ class Linear(nnx.Module):
                              "matmul_quantized needs a quantize='w4a8' layer; this one is dense "
                              "(call it on its unquantized input instead)")
         w = self.mxfp4
-        if q.shape[-1] != self.in_features or tuple(scale.shape) != tuple(q.shape[:-1]):
+        # q holds in_features columns, or (row-parallel, inside shard_map) this device's slice
+        # of them, which fits the slice of the stored weight the device holds.
+        kp = w.shape[-1]
+        if not kp - GROUP < q.shape[-1] <= kp or tuple(scale.shape) != tuple(q.shape[:-1]):
             raise ValueError(f"Linear {self.in_features} -> {self.out_features}: matmul_quantized "
                              f"got q{list(q.shape)} and scale{list(scale.shape)}; expected q "
                              f"[..., {self.in_features}] and scale of q's leading shape")
