@@ -52,7 +52,7 @@ def prefill(model, input_ids, *, chunk_size: int | None = None,
     ``progress`` shows a tqdm bar over the chunks.
 
     ``kv_cache_dtype="float8_e4m3fn"`` stores the full-attention layers' K/V (the part of the
-    cache that grows with the sequence) in FP8, half the bytes (accuracy: docs/notes_model.md);
+    cache that grows with the sequence) in FP8, half the bytes (accuracy: docs/design/model.md);
     the prompt then always runs through the chunked step.
 
     ``mesh``: a jax.sharding.Mesh with a ``tp_axis`` axis, a ``seq_axis`` axis or both (axes

@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 from jax_mila.ffi._checks import is_int
 
 # Segments per device: more balance the causal work of each chunk better (measured in
-# docs/notes_parallel.md). The kernel walks them in one call, so more cost only a few integer
+# docs/design/parallel.md). The kernel walks them in one call, so more cost only a few integer
 # operations per CTA and segment, and capacity rounds up to a multiple of P x S.
 DEFAULT_SEGMENTS = 32
 
