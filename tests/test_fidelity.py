@@ -108,6 +108,42 @@ class FidelityTest(absltest.TestCase):
         if not _registry.cuda_capabilities():
             self.assertEqual(float(cells[1]), 0.0, out.getvalue())
 
+    def test_routing_agreement_counts_sets_not_order(self):
+        got = np.array([[[1, 2], [3, 4], [5, 6]], [[0, 1], [0, 1], [0, 1]]])  # [L=2, T=3, k=2]
+        want = np.array([[[2, 1], [3, 5], [7, 8]], [[1, 0], [0, 1], [1, 0]]])
+        r = fidelity.routing_agreement(got, want)
+        np.testing.assert_allclose(r["sets_equal"], [1 / 3, 1.0])
+        np.testing.assert_allclose(r["experts_shared"], [(1 + 0.5 + 0) / 3, 1.0])
+        self.assertAlmostEqual(r["sets_equal_all_layers"], 4 / 6)
+        self.assertEqual(fidelity.routing_agreement(np.zeros((0, 0, 0)), np.zeros((0, 0, 0))),
+                         {})
+
+    def test_moe_model_reports_its_expert_choices(self):
+        # A 26B-like toy (MoE, W4A8 experts): every MoE layer's choices come back, [L, T, k];
+        # on the CPU both paths are the reference, so they agree everywhere.
+        from jax_mila.gemma4.config import Gemma4Config
+        from jax_mila.gemma4.model import Gemma4ForCausalLM
+        s, f = "sliding_attention", "full_attention"
+        cfg = Gemma4Config.from_dict(dict(
+            model_type="gemma4_text", vocab_size=64, hidden_size=128, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+            global_head_dim=64, layer_types=[s, f], sliding_window=8,
+            enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=64,
+            hidden_size_per_layer_input=0, final_logit_softcapping=30.0))
+        model = Gemma4ForCausalLM(cfg, dtype=jnp.bfloat16, quantize="w4a8", backend="mila",
+                                  rngs=nnx.Rngs(SEED))
+        ids = jax.random.randint(jax.random.key(SEED), (1, 11), 0, 64)
+        h, _, routing = model.hidden_states(ids, return_routing=True)
+        self.assertEqual(routing.shape, (2, 11, 2))
+        self.assertTrue(bool(jnp.all((routing >= 0) & (routing < 4))))
+        out = fidelity.compare_forward(model, fidelity.with_backend(model, "reference"), ids,
+                                       logit_rows=4)
+        self.assertEqual(out["routing"]["sets_equal"], [1.0, 1.0])
+        self.assertIn("expert choices (kernel vs reference): top-k sets equal for 100.0000%",
+                      fidelity.format_table(dict(
+                          model="toy", layers=2, quantize="w4a8", tokens=11, seed=SEED,
+                          device="cpu", forward=out)))
+
     def test_divergence_reports_both_margins(self):
         ref = np.zeros(5)
         ker = np.zeros(5)

@@ -107,9 +107,24 @@ def with_backend(model: Gemma4ForCausalLM, backend: str) -> Gemma4ForCausalLM:
 # ---- comparisons ---------------------------------------------------------------------------
 
 def _hidden_and_layers(graphdef, state, ids):
+    """(hidden states, every layer's output, every MoE layer's expert indices [L_moe, T, k])."""
     model = nnx.merge(graphdef, state)
-    h, _, layers = model.hidden_states(ids, return_layers=True)
-    return h, layers
+    h, _, layers, routing = model.hidden_states(ids, return_layers=True, return_routing=True)
+    return h, layers, routing
+
+
+def routing_agreement(got, want) -> dict:
+    """How often two paths chose the same experts: per MoE layer, the fraction of tokens whose
+    top-k sets are equal (order aside) and the mean fraction of each token's k experts in both
+    sets. ``got``, ``want``: [L_moe, T, k] expert indices."""
+    got, want = np.asarray(got), np.asarray(want)
+    if got.size == 0:
+        return {}
+    same = np.sort(got, axis=-1) == np.sort(want, axis=-1)
+    shared = (got[..., :, None] == want[..., None, :]).any(-1).mean(-1)  # [L, T]
+    return dict(sets_equal=[float(x) for x in same.all(-1).mean(-1)],
+                experts_shared=[float(x) for x in shared.mean(-1)],
+                sets_equal_all_layers=float(same.all(-1).mean()))
 
 
 _hidden = jax.jit(_hidden_and_layers, static_argnames=("graphdef",))
@@ -191,22 +206,27 @@ def compare_forward(kernel_model, reference_model, ids, *, logit_rows: int = 102
     out = {}
     t0 = time.perf_counter()
     gk, sk = nnx.split(kernel_model)
-    hk, lk = jax.block_until_ready(_hidden(gk, sk, ids))
+    hk, lk, rk = jax.block_until_ready(_hidden(gk, sk, ids))
     out["kernel_forward_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     gr, sr = nnx.split(reference_model)
-    hr, lr = jax.block_until_ready(_hidden(gr, sr, ids))
+    hr, lr, rr = jax.block_until_ready(_hidden(gr, sr, ids))
     out["reference_forward_s"] = time.perf_counter() - t0
     out["layer_rel_err"] = [float(e) for e in np.asarray(_layer_errors(lk, lr))]
+    if rk.size:
+        out["routing"] = routing_agreement(rk, rr)
     del lk
     h_r = hr.reshape(-1, hr.shape[-1])
     if noise_key is not None:
         # After the kernel's layers are freed: the 12B at 8K holds 3 GB of them per path.
         t0 = time.perf_counter()
-        hn, ln = jax.block_until_ready(_noisy_hidden(gr, sr, ids, noise_key, NOISE_FLOOR_RATE))
+        hn, ln, rn = jax.block_until_ready(_noisy_hidden(gr, sr, ids, noise_key,
+                                                         NOISE_FLOOR_RATE))
         out["noise_floor_forward_s"] = time.perf_counter() - t0
         out["noise_floor_rate"] = NOISE_FLOOR_RATE
         out["noise_floor_layer_rel_err"] = [float(e) for e in np.asarray(_layer_errors(ln, lr))]
+        if rn.size:
+            out["noise_floor_routing"] = routing_agreement(rn, rr)
         del ln
         h_n = hn.reshape(-1, hn.shape[-1])
         out["noise_floor_logits"] = _logit_summary(gr, sr, h_n, h_r, logit_rows)
@@ -333,6 +353,12 @@ def format_table(result: dict) -> str:
         lines.append(f"  noise floor final logits: cosine min {nl['cosine_min']:.6f}, top-1 "
                      f"agreement {nl['top1_agreement']:.4%}, max |err| {nl['max_abs_err']:.4g}, "
                      f"rel err {nl['rel_err']:.3g}")
+    for key, what in (("routing", "kernel vs reference"), ("noise_floor_routing", "noise floor")):
+        if key in f:
+            r = f[key]
+            lines.append(f"  expert choices ({what}): top-k sets equal for "
+                         f"{r['sets_equal_all_layers']:.4%} of token-layers; per MoE layer "
+                         + " ".join(f"{x:.4f}" for x in r["sets_equal"]))
     if "chunked_prefill_last_logits" in f:
         c = f["chunked_prefill_last_logits"]
         lines.append(f"  chunked prefill ({c['chunk']}/chunk) last logits: cosine {c['cosine']:.6f}, "

@@ -143,12 +143,15 @@ class Gemma4DecoderLayer(nnx.Module):
                 and post.with_scale and pre.with_scale and post.eps == pre.eps
                 and self.mlp.takes_quantized_input(layout))
 
-    def moe(self, h):
+    def moe(self, h, routing_out: list | None = None):
         """The routed experts' output for the residual stream h [..., H]. Where the experts
         take quantized rows, pre_feedforward_layernorm_2 and their quantizer run as one op
-        (add_rms_norm_quantize without a branch; as fuses_input_norm, for a bf16 h)."""
+        (add_rms_norm_quantize without a branch; as fuses_input_norm, for a bf16 h).
+        ``routing_out``: a list that receives the expert indices [N, k] (the fidelity check)."""
         flat = h.reshape(-1, h.shape[-1])
         weights, idx = self.router(flat)
+        if routing_out is not None:
+            routing_out.append(idx)
         norm = self.pre_feedforward_layernorm_2
         if (jnp.dtype(h.dtype) == jnp.dtype(jnp.bfloat16) and norm.with_scale
                 and self.experts.takes_quantized_input()):
@@ -159,7 +162,8 @@ class Gemma4DecoderLayer(nnx.Module):
             x = norm(flat)
         return self.experts(x, weights, idx).reshape(h.shape)
 
-    def __call__(self, h, ple_i, cos, sin, *, layout: Layout = SINGLE_DEVICE, **attn_kwargs):
+    def __call__(self, h, ple_i, cos, sin, *, layout: Layout = SINGLE_DEVICE,
+                 routing_out: list | None = None, **attn_kwargs):
         """h [B, T, H] -> (h, the attention's K/V view, its new cache entry); ``layout``: the
         step's split over the mesh, passed on to the attention and the MLP; ``attn_kwargs``:
         Gemma4Attention's."""
@@ -180,7 +184,7 @@ class Gemma4DecoderLayer(nnx.Module):
             f = self.mlp(self.pre_feedforward_layernorm(h), layout)
         if self.has_moe:
             f = self.post_feedforward_layernorm_1(f) + self.post_feedforward_layernorm_2(
-                self.moe(h))
+                self.moe(h, routing_out))
         h = h + self.post_feedforward_layernorm(f)
         if self.has_ple:
             g = gelu_tanh(self.per_layer_input_gate(h)) * ple_i
@@ -190,7 +194,7 @@ class Gemma4DecoderLayer(nnx.Module):
 
 def run_layers(layers, h, tables, entries, *, offset, mode, max_len, valid, first_chunk=False,
                ple=None, kv_sources=frozenset(), return_layers=False,
-               layout: Layout = SINGLE_DEVICE):
+               layout: Layout = SINGLE_DEVICE, routing_out: list | None = None):
     """Decoder layers ``layers`` (consecutive, with their cache ``entries``: None where a layer
     has none) on the hidden state h, as Gemma4ForCausalLM.hidden_states runs them; the engine's
     layer pieces run slices of the stack through it too (PieceRunner), so that both compute
@@ -204,7 +208,7 @@ def run_layers(layers, h, tables, entries, *, offset, mode, max_len, valid, firs
         h, kv_view, new_entry = layer(
             h, ple[:, :, i] if ple is not None else None, *tables[spec.layer_type],
             offset=offset, mode=mode, entry=entry, max_len=max_len, valid=valid,
-            first_chunk=first_chunk, layout=layout,
+            first_chunk=first_chunk, layout=layout, routing_out=routing_out,
             shared=shared.get(spec.layer_type) if spec.is_kv_shared else None)
         if i in kv_sources:
             shared[spec.layer_type] = kv_view
@@ -295,7 +299,8 @@ class Gemma4ForCausalLM(nnx.Module):
 
     def hidden_states(self, input_ids, *, mode: str = "full", cache: KVCache | None = None,
                       max_len: int = 0, valid=None, first_chunk: bool = False,
-                      return_layers: bool = False, layout: Layout = SINGLE_DEVICE):
+                      return_layers: bool = False, return_routing: bool = False,
+                      layout: Layout = SINGLE_DEVICE):
         """Runs the decoder stack. Returns (hidden [B, T, H] before the final norm, new cache).
 
         mode "full": no cache. "prefill": positions from 0, returns a new KVCache with capacity
@@ -312,7 +317,9 @@ class Gemma4ForCausalLM(nnx.Module):
 
         ``return_layers=True`` appends a third result: every decoder layer's output [B, T, H]
         stacked to [L, B, T, H] (HF's output_hidden_states without the embedding), so the
-        fidelity check can show how errors compound layer by layer."""
+        fidelity check can show how errors compound layer by layer. ``return_routing=True``
+        appends the expert indices of every mixture-of-experts layer, [L_moe, B T, k] int32
+        (the fidelity check compares the paths' expert choices)."""
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} (supported: {MODES})")
         cfg = self.config
@@ -333,17 +340,21 @@ class Gemma4ForCausalLM(nnx.Module):
         sources = set(cfg.kv_sources.values()) if cfg.num_kv_shared_layers else set()
         entries = [(cache.keys[i], cache.values[i]) if cached and not layer.spec.is_kv_shared
                    else None for i, layer in enumerate(self.layers)]
+        routing = [] if return_routing else None
         h, new_entries, layer_outputs = run_layers(
             self.layers, h, tables, entries, offset=offset, mode=mode, max_len=max_len,
             valid=valid, first_chunk=first_chunk, ple=ple, kv_sources=sources,
-            return_layers=return_layers, layout=layout)
+            return_layers=return_layers, layout=layout, routing_out=routing)
         keys = [e[0] if e is not None else None for e in new_entries]
         values = [e[1] if e is not None else None for e in new_entries]
         new_cache = None if mode == "full" else KVCache(
             keys=tuple(keys), values=tuple(values), length=offset + valid, max_len=max_len,
             seq_layout=cache.seq_layout if cached else ())
-        if return_layers:
-            return h, new_cache, jnp.stack(layer_outputs)
+        extra = (jnp.stack(layer_outputs),) if return_layers else ()
+        if return_routing:
+            extra += (jnp.stack(routing) if routing else jnp.zeros((0, 0, 0), jnp.int32),)
+        if extra:
+            return (h, new_cache) + extra
         return h, new_cache
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
