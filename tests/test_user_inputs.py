@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.flax import load_file, save_file
 
 from jax_mila import _env, _selftest, ffi, gemma4, nn
+from jax_mila.engine import plan as gemma4_plan
 from jax_mila.gemma4 import mxfp4_names
 from jax_mila.gemma4.convert import STAGING_TAG, convert
 from jax_mila.gemma4.loader import CheckpointError
@@ -130,6 +131,64 @@ class TokenIdsTest(absltest.TestCase):
                              (np.array([1.0]), r"token must be integer token ids, got dtype float")):
             with self.assertRaisesRegex(ValueError, pattern):
                 check_input_ids(ids, 61, name="token", rank=1)
+
+
+class EngineArgumentsTest(absltest.TestCase):
+    """decode / prefill / generate: counts that must be ints >= 1 are refused, not coerced;
+    decode's token is a checked [B] vector; a chunk longer than the prompt is not padded."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.model = gemma4.from_pretrained(EMBEDDED, dtype=jnp.float32)
+        cls.ids = np.random.default_rng(0).integers(
+            0, cls.model.config.vocab_size, (1, 10)).astype(np.int32)
+
+    def _cache(self, extra=8):
+        return gemma4.prefill(self.model, self.ids, max_cache_len=self.ids.shape[1] + extra)
+
+    def test_decode_refuses_bad_steps_and_tokens(self):
+        vocab = self.model.config.vocab_size
+        for steps, pattern in ((-3, r"steps must be an int >= 1, got -3"),
+                               (0, r"steps must be an int >= 1, got 0"),
+                               (2.5, r"steps must be an int >= 1, got 2.5"),
+                               (True, r"steps must be an int >= 1, got True")):
+            _, cache = self._cache()
+            with self.assertRaisesRegex(ValueError, pattern):
+                gemma4.decode(self.model, np.array([3], np.int32), cache, steps)
+        for token, pattern in ((np.array([vocab], np.int32),
+                                rf"token: \[{vocab}\] outside the vocabulary \[0, {vocab}\)"),
+                               (np.array([[3]], np.int32), r"token must be int32 \[B\]"),
+                               (np.array([3, 4], np.int32), r"token has batch 2, the cache 1")):
+            _, cache = self._cache()
+            with self.assertRaisesRegex(ValueError, pattern):
+                gemma4.decode(self.model, token, cache, 2)
+
+    def test_counts_are_not_coerced(self):
+        for kwargs, pattern in ((dict(chunk_size=2.5), r"chunk_size must be an int >= 1 or None, "
+                                                       r"got 2.5"),
+                                (dict(chunk_size="4"), r"chunk_size .* got '4'"),
+                                (dict(chunk_size=True), r"chunk_size .* got True"),
+                                (dict(chunk_size=0), r"chunk_size .* got 0"),
+                                (dict(max_cache_len=12.0), r"max_cache_len must be an int >= 1")):
+            with self.assertRaisesRegex(ValueError, pattern):
+                gemma4.prefill(self.model, self.ids, **kwargs)
+        with self.assertRaisesRegex(ValueError, r"max_new_tokens must be an int >= 1, got 1.5"):
+            gemma4.generate(self.model, self.ids, 1.5)
+        gemma4.prefill(self.model, self.ids, chunk_size=np.int64(4))  # a NumPy int is an int
+
+    def test_a_chunk_longer_than_the_prompt_is_not_padded(self):
+        # 10 tokens with chunk_size 100000 run as one chunk of 10 (padding to the chunk would
+        # compute 100000 positions); the result is the default path's.
+        spans = []
+        real = gemma4_plan.chunk_spans
+        with mock.patch.object(gemma4_plan, "chunk_spans",
+                               side_effect=lambda *a, **k: spans.append(real(*a, **k)) or spans[-1]):
+            got, cache = gemma4.prefill(self.model, self.ids, chunk_size=100_000)
+        self.assertEqual(spans, [[10]])
+        self.assertEqual(int(cache.max_len), 10)
+        want, _ = gemma4.prefill(self.model, self.ids)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 class GpuInstallHintTest(absltest.TestCase):

@@ -17,7 +17,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_mila.engine import jitted, pieces, plan, sharded
+from jax_mila.ffi._checks import is_int
 from jax_mila.parallel import chunked
+
+
+def _check_count(name: str, value, *, allow_none: bool = False) -> int | None:
+    """``value`` as an int >= 1 (None where allowed); ValueError naming ``name`` otherwise
+    (2.5, "4" and True are refused, not coerced)."""
+    if value is None and allow_none:
+        return None
+    if not is_int(value) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1{' or None' if allow_none else ''}, got "
+                         f"{value!r}")
+    return int(value)
 
 
 def forward(model, input_ids, mesh=None, *, heads_axis: str | None = "heads",
@@ -43,7 +55,8 @@ def prefill(model, input_ids, *, chunk_size: int | None = None,
     ``chunk_size``: the prompt runs in chunks of that many tokens, each one jitted step that
     updates the (donated) cache, so activation memory is bounded by the chunk, not the prompt.
     The last chunk is padded to chunk_size (padding is never written to the cache and comes
-    after every real query), so one compiled step serves every chunk and prompt length.
+    after every real query), so one compiled step serves every chunk and prompt length; a
+    prompt no longer than chunk_size runs as one chunk of its own length.
     None: ``plan.default_chunk_size``; a prompt that fits in one such chunk runs as one chunk
     without padding (compiled per prompt length: in layer pieces where they apply, else in one
     call); a longer one ends in a chunk of the tokens left, padded only up to a power of two
@@ -74,11 +87,10 @@ def prefill(model, input_ids, *, chunk_size: int | None = None,
     model apart (jax_mila.engine.pieces); None runs each chunk as one jitted step."""
     ids = model.check_input_ids(input_ids)
     batch, length = ids.shape
-    max_len = length if max_cache_len is None else int(max_cache_len)
+    max_len = length if max_cache_len is None else _check_count("max_cache_len", max_cache_len)
     if max_len < length:
         raise ValueError(f"max_cache_len={max_len} is shorter than the prompt ({length})")
-    if chunk_size is not None and int(chunk_size) < 1:
-        raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
+    chunk_size = _check_count("chunk_size", chunk_size, allow_none=True)
     if piece_layers is not None and (not isinstance(piece_layers, int) or piece_layers < 1):
         raise ValueError(f"piece_layers must be an int >= 1 or None, got {piece_layers!r}")
     tp, seq, devices = None, None, 1
@@ -87,13 +99,12 @@ def prefill(model, input_ids, *, chunk_size: int | None = None,
         devices = mesh.shape[seq] if seq is not None else 1
         segments = chunked.DEFAULT_SEGMENTS if seq_segments is None else seq_segments
         chunked.check_segments(segments)
-        if chunk_size is not None and int(chunk_size) % devices:
+        if chunk_size is not None and chunk_size % devices:
             raise ValueError(f"chunk_size={chunk_size}: context parallelism over {devices} "
                              f"devices ({seq_axis!r}) needs a multiple of {devices}")
-    size = (plan.default_chunk_size(model, batch, max_len) if chunk_size is None
-            else int(chunk_size))
+    size = plan.default_chunk_size(model, batch, max_len) if chunk_size is None else chunk_size
     in_pieces = mesh is None and piece_layers is not None and pieces.applies(model)
-    if chunk_size is None and length <= size:
+    if length <= size:
         # One unpadded chunk. Where the layer pieces apply it runs in them, as longer prompts
         # do (the one-shot call would expose the whole model's flatten and dispatch before
         # the device starts).
@@ -150,6 +161,11 @@ def decode(model, token, cache, steps: int):
     """Feeds ``token`` [B] (the token at position cache.length) and then its own greedy
     choices for ``steps`` steps. Returns (the ``steps`` new tokens [B, steps], cache).
     The cache passed in is donated (do not reuse it)."""
+    steps = _check_count("steps", steps)
+    token = model.check_input_ids(token, name="token", rank=1)
+    batch = cache.keys[next(i for i, k in enumerate(cache.keys) if k is not None)].shape[0]
+    if token.shape[0] != batch:
+        raise ValueError(f"decode: token has batch {token.shape[0]}, the cache {batch}")
     if cache.seq_layout:
         raise ValueError(f"decode takes a cache in position order; this one is sharded by "
                          f"position (seq_layout {cache.seq_layout}, a context-parallel prefill): "
@@ -158,8 +174,7 @@ def decode(model, token, cache, steps: int):
     if needed > cache.max_len:
         raise ValueError(f"the cache holds {cache.max_len} positions; {steps} decode steps from "
                          f"length {int(cache.length)} need {needed} (pass a larger max_cache_len)")
-    return jitted.decode_steps(*jitted.model_args(model), cache, jnp.asarray(token, jnp.int32),
-                               steps)
+    return jitted.decode_steps(*jitted.model_args(model), cache, token, steps)
 
 
 def generate(model, input_ids, max_new_tokens: int, *, cache=None, logits=None,
@@ -172,8 +187,7 @@ def generate(model, input_ids, max_new_tokens: int, *, cache=None, logits=None,
     existing prefill, pass its ``logits`` and ``cache`` (its capacity must cover the new
     tokens; it is donated). There is no early stop at EOS: exactly max_new_tokens come back.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    max_new_tokens = _check_count("max_new_tokens", max_new_tokens)
     ids = model.check_input_ids(input_ids)
     if (cache is None) != (logits is None):
         raise ValueError("pass both the cache and the last logits of a prefill, or neither")

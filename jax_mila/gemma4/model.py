@@ -365,10 +365,10 @@ class Gemma4ForCausalLM(nnx.Module):
 
     # ---- what the engine calls --------------------------------------------------------------
 
-    def check_input_ids(self, input_ids) -> jax.Array:
-        """``input_ids`` as int32 [B, S], checked against this model's vocabulary
-        (the module's check_input_ids)."""
-        return check_input_ids(input_ids, self.config.vocab_size)
+    def check_input_ids(self, input_ids, *, name: str = "input_ids", rank: int = 2) -> jax.Array:
+        """``input_ids`` as int32 [B, S] (``rank=1``: a token vector [B]), checked against this
+        model's vocabulary (the module's check_input_ids)."""
+        return check_input_ids(input_ids, self.config.vocab_size, name=name, rank=rank)
 
     def empty_cache(self, batch: int, max_len: int, *, full_dtype=None,
                     seq_layout=()) -> KVCache:
