@@ -181,7 +181,8 @@ def _chunking(model, batch, length, cap, args) -> str:
     from jax_mila.engine.plan import default_chunk_size
 
     if args.chunk_size:
-        return f"chunks of {args.chunk_size}"
+        return (f"chunks of {args.chunk_size}" if length > args.chunk_size
+                else f"one chunk of {length} (chunk size {args.chunk_size})")
     size = default_chunk_size(model, batch, cap)
     return f"chunks of {size} (auto)" if length > size else f"one call (auto chunk {size})"
 
