@@ -106,14 +106,10 @@ class CliTest(parameterized.TestCase):
         self.assertRegex(err, rf"error: --model {re.escape(d)}: {re.escape(d)}/model\.safetensors: "
                               r"not a readable safetensors file .*truncated or corrupt")
 
-    @parameterized.named_parameters(
-        ("disable", "JAX_MILA_DISABLE", "flash", r"JAX_MILA_DISABLE='flash' names unknown ops"),
-        ("switch", "JAX_MILA_FLASH256_SM90", "off",
-         r"JAX_MILA_FLASH256_SM90='off' is not supported \(supported: 0, 1; unset it"),
-    )
-    def test_malformed_environment_knob_is_one_line(self, name, value, pattern):
-        with mock.patch.dict(os.environ, {name: value}):
+    def test_malformed_environment_knob_is_one_line(self):
+        with mock.patch.dict(os.environ, {"JAX_MILA_DISABLE": "flash"}):
             code, err = run_cli_error("prefill", "--length", "5")
+        pattern = r"JAX_MILA_DISABLE='flash' names unknown ops"
         self.assertEqual(code, 2)
         self.assertNotIn("Traceback", err)
         self.assertRegex(err.strip().splitlines()[-1], r"error: environment variable " + pattern)
