@@ -56,8 +56,8 @@ class ModelCardTest(parameterized.TestCase):
         self.assertEqual(cfg.rope["full_attention"].rotated, 64)   # dims [0:64] and [256:320]
         self.assertEqual(cfg.rope["full_attention"].head_dim, 512)
         if size == "26b-a4b":
-            self.assertEqual(model.layers[0].experts.gate_up_proj.shape, (128, 2816, 1408))
-            self.assertEqual(model.layers[0].experts.down_proj.shape, (128, 704, 2816))
+            self.assertEqual(model.layers[0].experts.gate_up_proj.kernel.shape, (128, 2816, 1408))
+            self.assertEqual(model.layers[0].experts.down_proj.kernel.shape, (128, 704, 2816))
         if size in ("e2b", "e4b"):
             self.assertEqual(model.embed_tokens_per_layer.weight.shape, (262144, layers * 256))
 
