@@ -62,6 +62,19 @@ class ModelCardTest(parameterized.TestCase):
             self.assertEqual(model.embed_tokens_per_layer.weight.shape, (262144, layers * 256))
 
     @parameterized.parameters(*SIZES)
+    def test_every_linear_of_every_size_is_w4a8(self, size):
+        # The W4A8 kernels take every Gemma 4 projection (K a multiple of 32: the 26B's 2112
+        # and 704 are stored padded): none falls back to a dense weight but the router, which
+        # stays dense float32 by design (near-tied expert choices).
+        from jax_mila import nn
+        cfg = gemma4.Gemma4Config.from_pretrained(gemma4.model_card(size))
+        model = nnx.eval_shape(lambda: gemma4.Gemma4ForCausalLM(cfg, dtype=jnp.bfloat16,
+                                                                 quantize="w4a8"))
+        dense = [".".join(map(str, path)) for path, node in nnx.iter_graph(model)
+                 if isinstance(node, (nn.Linear, nn.GroupedLinear)) and node.quantize is None]
+        self.assertTrue(all(name.endswith("router.proj") for name in dense), dense)
+
+    @parameterized.parameters(*SIZES)
     def test_agrees_with_transformers_config(self, size):
         from transformers import AutoConfig
 
