@@ -1,11 +1,34 @@
 """Session-wide test setup."""
 
+import importlib.util
+import os
+
 import jax
 import pytest
 
 # Several CPU devices so that sharding tests (tests/test_parallel_*.py) run in CI without GPUs.
 # Must happen before any backend is initialized; other tests use the default device only.
 jax.config.update("jax_num_cpu_devices", 4)
+
+
+def _cuda_plugin_installed() -> bool:
+    for name in ("jax_cuda13_plugin", "jax_cuda12_plugin"):
+        if importlib.util.find_spec(name) is not None:
+            return True
+    return False
+
+
+# Without a GPU most of the suite's time is XLA:CPU compiling small programs, about a third of
+# it in LLVM's loop and SLP vectorizers. Those passes never reorder floating-point operations
+# (XLA:CPU asks for no fast-math), so the compiled programs give the same bits with them off:
+# checked on models, attention, tanh/gelu and the quantizers (only lowering the backend
+# optimization level changes results, through FMA contraction). Set before any backend starts
+# (XLA reads its flags once), inherited by the suite's subprocesses; a GPU installation keeps
+# XLA's defaults.
+EXPENSIVE_PASSES_FLAG = "--xla_llvm_disable_expensive_passes"
+if not _cuda_plugin_installed() and EXPENSIVE_PASSES_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " "
+                               + EXPENSIVE_PASSES_FLAG + "=true").strip()
 
 
 @pytest.fixture(autouse=True, scope="module")

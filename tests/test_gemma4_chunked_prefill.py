@@ -340,7 +340,7 @@ class ChunkedPrefillTest(parameterized.TestCase):
         np.testing.assert_allclose(np.asarray(logits, np.float32), ref, atol=0.05 * scale, rtol=0)
 
     def test_bad_chunk_size(self):
-        with self.assertRaisesRegex(ValueError, "chunk_size must be >= 1"):
+        with self.assertRaisesRegex(ValueError, "chunk_size must be an int >= 1 or None, got 0"):
             gemma4.prefill(tiny_model(), jnp.ones((1, 4), jnp.int32), chunk_size=0)
 
     @parameterized.parameters(4, None)  # chunked, and a prompt that fits one default chunk
