@@ -1,8 +1,8 @@
 """Command line of jax_mila.
 
     python -m jax_mila generate [--model PATH] [--prompt TEXT | --prompt-ids 2,17,5 | --length N]
-                                [--new-tokens 32] [--dtype bfloat16] [--backend auto]
-                                [--chunk-size N]
+                                [--new-tokens 32] [--block 16] [--ignore-eos]
+                                [--dtype bfloat16] [--backend auto] [--chunk-size N]
     python -m jax_mila prefill  [the same options but --new-tokens]
     python -m jax_mila selftest
     python -m jax_mila bench prefill [--seqs 8192 --backends mila,reference ...]
@@ -18,6 +18,10 @@ are not copied.
 progress bar over the chunks); by default a prompt longer than a chunk sized from the free
 device memory (2048 tokens where the device reports none) is chunked, a shorter one runs in
 one call.
+
+generate stops at the checkpoint's EOS ids (config.json's eos_token_id, and
+generation_config.json's) unless --ignore-eos, and streams the tokens as they come, --block
+decode steps at a time: as text where the checkpoint has a tokenizer.json, else as ids.
 
 Without --model the small embedded checkpoint (random weights) is used, so the commands run
 anywhere, CPU included; they print the tokens, the prefill / decode throughput, the time to
@@ -79,6 +83,17 @@ def _tokenizer(model_dir: str):
     return Tokenizer.from_file(path)
 
 
+def _optional_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer for showing the output, or None (no tokenizer.json, or no
+    `tokenizers` package)."""
+    path = os.path.join(model_dir, "tokenizer.json")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    return Tokenizer.from_file(path) if os.path.isfile(path) else None
+
+
 def _timed(fn, *args, **kwargs):
     import jax
 
@@ -90,9 +105,11 @@ def _timed(fn, *args, **kwargs):
 def _run(args, parser) -> None:
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from jax_mila import gemma4
     from jax_mila._selftest import gpu_install_hint
+    from jax_mila.engine.run import DEFAULT_BLOCK
 
     hint = gpu_install_hint()
     if hint:  # a warning: running on the CPU may be what the user wants
@@ -134,21 +151,82 @@ def _run(args, parser) -> None:
     if new == 0:
         print(f"next token: {int(jnp.argmax(logits[0]))}")
         return
-    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    steps = new - 1
+    stop = () if args.ignore_eos else cfg.eos_token_id
+    block = min(args.block or DEFAULT_BLOCK, max(new - 1, 1))
+    decoding = dict(stop_tokens=stop, block=block)
+    if new > 1:  # compile (and run) the decode blocks once, then decode a fresh prefill's cache
+        _, t_compile = _timed(gemma4.generate, model, ids, new, logits=logits, cache=cache,
+                              **decoding)
+        logits, cache = gemma4.prefill(model, ids, **chunking)
+        jax.block_until_ready(cache)
+    tokenizer = tokenizer or _optional_tokenizer(args.model)
+    printer = _TokenPrinter(tokenizer)
+    print("generated: ", end="", flush=True)
+    tokens = gemma4.generate(model, ids, new, logits=logits, cache=cache, stream=printer,
+                             **decoding)
+    printer.finish()
+    print()
+    out = np.asarray(tokens)[0].tolist()
+    stopped = f", stopped at EOS {out[-1]}" if out[-1] in stop else ""
+    steps = len(out) - 1
     if steps:
-        _, t_compile = _timed(gemma4.decode, model, first, cache, steps)   # compile + run
-        logits, cache = gemma4.prefill(model, ids, **chunking)               # fresh cache (donated)
-        (rest, _), t_decode = _timed(gemma4.decode, model, first, cache, steps)
-        tokens = jnp.concatenate([first[:, None], rest], axis=1)
+        t_decode = printer.last - printer.first
         print(f"decode: {steps} steps in {t_decode * 1e3:.1f} ms = {batch * steps / t_decode:,.1f} "
-              f"tokens/s (first call incl. compile {t_compile:.2f} s)")
-    else:
-        tokens = first[:, None]
-    out = tokens[0].tolist()
+              f"tokens/s (blocks of {block} steps{stopped}; first call incl. compile "
+              f"{t_compile:.2f} s)")
+        print(f"throughput: prefill {batch * length / t_prefill:,.0f} tokens/s, decode "
+              f"{batch * steps / t_decode:,.1f} tokens/s (batch {batch})")
+    elif stopped:
+        print(f"decode: no steps (the first token is EOS {out[0]})")
     print(f"generated ids: {out}")
     if tokenizer is not None:
         print(_generated_text(tokenizer, out))
+
+
+class _TokenPrinter:
+    """The ``stream`` callback of the generate command: prints row 0 of each block of tokens
+    as it arrives, as text where a tokenizer is given (an id it has no token for as [id]),
+    else as ids; records when the first and the last block came.
+
+    Text is decoded from the ids since the last line break printed (a token's text can depend
+    on its neighbours), and held back while it ends in a cut character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.line, self.shown = tokenizer, [], ""
+        self.first = self.last = None
+
+    def __call__(self, tokens) -> None:
+        self.last = time.perf_counter()
+        self.first = self.first or self.last
+        new = [int(t) for t in tokens[0]]
+        if self.tokenizer is None:
+            print(" ".join(map(str, new)), end=" ", flush=True)
+            return
+        self.line += new
+        text = self._text()
+        if not text.endswith("\ufffd"):  # else a character is cut between tokens: wait
+            self._show(text)
+
+    def finish(self) -> None:
+        """Prints what is held back."""
+        if self.tokenizer is not None:
+            self._show(self._text())
+
+    def _show(self, text: str) -> None:
+        print(text[len(self.shown):] if text.startswith(self.shown) else text, end="", flush=True)
+        self.shown = text
+        if text.endswith("\n"):
+            self.line, self.shown = [], ""
+
+    def _text(self) -> str:
+        parts, run = [], []
+        for t in self.line:
+            if self.tokenizer.id_to_token(t) is None:
+                parts += [self.tokenizer.decode(run), f"[{t}]"]
+                run = []
+            else:
+                run.append(t)
+        return "".join(parts + [self.tokenizer.decode(run)])
 
 
 def _generated_text(tokenizer, ids: list[int]) -> str:
@@ -303,7 +381,13 @@ def main(argv=None) -> None:
         group.add_argument("--prompt-ids", type=_token_ids, help="comma- or space-separated token ids")
         group.add_argument("--length", type=int, default=64, help="synthetic prompt length (default 64)")
         if name == "generate":  # prefill generates nothing: there it would be ignored
-            p.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default 32)")
+            p.add_argument("--new-tokens", type=int, default=32,
+                           help="at most this many tokens to generate (default 32)")
+            p.add_argument("--block", type=int, default=None,
+                           help="decode steps per compiled call; the tokens are shown block by "
+                                "block (default 16, jax_mila.engine.run.DEFAULT_BLOCK)")
+            p.add_argument("--ignore-eos", action="store_true",
+                           help="do not stop at the checkpoint's EOS ids: always --new-tokens")
         p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
         p.add_argument("--backend", default="auto", choices=("auto", "mila", "reference"))
         p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompt")
@@ -362,6 +446,8 @@ def _main(args, parser) -> None:
         parser.error("--length must be >= 1")
     if args.chunk_size is not None and args.chunk_size < 1:
         parser.error("--chunk-size must be >= 1")
+    if getattr(args, "block", None) is not None and args.block < 1:
+        parser.error("--block must be >= 1")
     _run(args, parser)
 
 

@@ -127,16 +127,31 @@ def head_fn(model):
 
 
 @functools.partial(jax.jit, static_argnames=("structure", "steps"), donate_argnames=("cache",))
-def decode_steps(structure, weights, cache, token, steps):
-    """``steps`` greedy decode steps from ``token`` [B] at cache.length: (tokens [B, steps],
-    cache)."""
+def decode_steps(structure, weights, cache, token, done, stop, pad, steps):
+    """One block of ``steps`` greedy decode steps from ``token`` [B] at cache.length, the unit
+    of the decode loop (engine.run.decode): returns (tokens [B, steps], the last of them [B],
+    cache, done [B]).
+
+    ``done`` [B] bool marks the rows that have emitted a stop token; ``stop`` [K] int32 holds
+    the stop ids (-1 matches nothing) and ``pad`` (int32) is what a finished row emits, and
+    feeds back, after its stop token, so its cache grows with pad tokens, consistent with the
+    tokens returned. Rows not done get exactly the tokens of the plain greedy loop. ``stop``,
+    ``pad`` and ``done`` are traced: one compile per block size (and stop-list length).
+
+    The steps run as a scan, whose trip count XLA knows. Data-dependent control flow (a
+    while_loop that ends when every row is done, or a lax.cond that skips a block) would make
+    XLA's GPU runtime copy its predicate to the host and wait for the device at every test,
+    and a lax.cond also copies the whole cache into and out of its branches: the early stop
+    is the host's, between blocks."""
     model = rebuild(structure, weights)
 
     def step(carry, _):
-        cache, tok = carry
+        cache, tok, done = carry
         h, cache = model.hidden_states(tok[:, None], mode="decode", cache=cache)
         nxt = jnp.argmax(model.logits(h[:, 0]), axis=-1).astype(jnp.int32)
-        return (cache, nxt), nxt
+        nxt = jnp.where(done, pad, nxt)
+        done = done | jnp.any(nxt[:, None] == stop[None, :], axis=-1)
+        return (cache, nxt, done), nxt
 
-    (cache, _), tokens = jax.lax.scan(step, (cache, token), None, length=steps)
-    return tokens.T, cache
+    (cache, last, done), tokens = jax.lax.scan(step, (cache, token, done), None, length=steps)
+    return tokens.T, last, cache, done

@@ -4,7 +4,8 @@
 position's logits and the cache; ``generate`` continues greedily one token per step from that
 cache. The decode steps use the same positions, window and masks as a full re-run, so the
 tokens equal those of re-running the full sequence at every step (the parity suite checks
-this).
+this). ``decode`` runs the steps in blocks, one compiled program each (jitted.decode_steps),
+hands each block's tokens out as it arrives and stops at stop tokens between blocks.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jax_mila.engine import jitted, pieces, plan, sharded
@@ -157,15 +159,138 @@ def prefill(model, input_ids, *, chunk_size: int | None = None,
     return sharded.head(model, state, mesh, tp_axis=tp)(state, out), cache
 
 
-def decode(model, token, cache, steps: int):
+# Decode steps per block where decode picks the size (stop tokens or a stream, no block given):
+# tokens reach the host every 16 steps, at most two blocks run past the last stop, and the
+# host's work on a block (about 0.25 ms on a CPU host, docs/api.md) is a small part of 16 steps.
+DEFAULT_BLOCK = 16
+
+
+def _stop_ids(model, stop_tokens) -> np.ndarray:
+    """``stop_tokens`` (None, one id or a sequence of ids) as int32 ids in the vocabulary,
+    padded with -1 (matches nothing) to a multiple of 8, so the usual lists share one compile
+    of the decode block."""
+    if stop_tokens is None:
+        ids = []
+    elif is_int(stop_tokens):
+        ids = [stop_tokens]
+    else:
+        try:
+            ids = list(stop_tokens)
+        except TypeError:
+            raise ValueError(f"stop_tokens must be None, a token id or a sequence of token ids, "
+                             f"got {stop_tokens!r}") from None
+    if not all(is_int(t) for t in ids):
+        raise ValueError(f"stop_tokens must be integer token ids, got {stop_tokens!r}")
+    vocab = model.config.vocab_size
+    bad = sorted({int(t) for t in ids if not 0 <= t < vocab})
+    if bad:
+        raise ValueError(f"stop_tokens: {bad} outside the vocabulary [0, {vocab})")
+    out = np.full(max(8, -(-len(ids) // 8) * 8), -1, np.int32)
+    out[:len(ids)] = ids
+    return out
+
+
+def _pad_id(model, stop: np.ndarray) -> int:
+    """What a finished row emits: the config's pad_token_id, else its first stop id."""
+    pad = model.config.pad_token_id
+    return int(pad) if pad is not None else int(stop[0]) if stop[0] >= 0 else 0
+
+
+def _finished(tokens: np.ndarray, stop: np.ndarray, done: np.ndarray):
+    """(done after ``tokens`` [B, n], the columns up to the last row's stop token): a row is done
+    once it has emitted a stop id; columns after every row is done hold only pad ids."""
+    ids = stop[stop >= 0]
+    if not ids.size:
+        return done, tokens.shape[1]
+    hits = (tokens[:, :, None] == ids).any(axis=2)
+    now = done | hits.any(axis=1)
+    if not now.all():
+        return now, tokens.shape[1]
+    ends = np.where(done, 0, hits.argmax(axis=1) + 1)  # rows done before this block need none
+    return now, int(ends.max())
+
+
+def _decode_blocks(model, token, cache, steps: int, block: int, stop: np.ndarray, pad: int,
+                   done: np.ndarray, drain: bool):
+    """Generator behind decode: yields each block's tokens (NumPy [B, n]) as they reach the host,
+    with the number of its columns up to the last stop token (n while some row runs on), and
+    returns the cache.
+
+    The host keeps one block in flight: it dispatches block k+1 before it waits for block k's
+    tokens, so the device does not wait for the host between blocks. After block k, in which
+    every row has stopped, it dispatches nothing more; block k+1, already running, holds only
+    pad tokens: ``drain`` waits for it and yields it (its positions are in the returned cache),
+    else it is left to finish unseen. The weights are taken apart once, not per block."""
+    sizes = [block] * (steps // block) + ([steps % block] if steps % block else [])
+    structure, weights = jitted.model_args(model)
+    stop_dev, pad_dev, dev_done = jnp.asarray(stop), jnp.int32(pad), jnp.asarray(done)
+    in_flight, stopped = [], False
+    for size in sizes:
+        out, token, cache, dev_done = jitted.decode_steps(
+            structure, weights, cache, token, dev_done, stop_dev, pad_dev, size)
+        in_flight.append(out)
+        if len(in_flight) == 2:
+            tokens = np.asarray(in_flight.pop(0))
+            done, keep = _finished(tokens, stop, done)
+            yield tokens, keep
+            if done.all():
+                stopped = True
+                break
+    if in_flight and (drain or not stopped):
+        tokens = np.asarray(in_flight.pop())
+        yield tokens, _finished(tokens, stop, done)[1]
+    return cache
+
+
+def decode(model, token, cache, steps: int, *, stop_tokens=None, block: int | None = None,
+           stream=None):
     """Feeds ``token`` [B] (the token at position cache.length) and then its own greedy
-    choices for ``steps`` steps. Returns (the ``steps`` new tokens [B, steps], cache).
-    The cache passed in is donated (do not reuse it)."""
+    choices for up to ``steps`` steps. Returns (the new tokens [B, n], cache), n the steps
+    run: the returned cache holds n more positions. The cache passed in is donated (do not
+    reuse it).
+
+    ``stop_tokens`` (None, an id or a sequence of ids, e.g. ``model.config.eos_token_id``):
+    a row ends with the first one it emits, then emits the pad id (config.pad_token_id; the
+    first stop id where the config has none) until the batch ends; the rows of a batch decode
+    together, each stopping on its own. Decoding ends after the block in which every row has
+    stopped and the block already dispatched behind it (pad ids only), so then n < steps.
+    None (the default): no stop, n = steps.
+
+    ``block``: the device runs ``block`` steps per compiled call (one compiled program per
+    block size, and one for a shorter last block; the cache is donated from block to block,
+    no host round trip within a block). The host copies each block's tokens back, hands them
+    out and decides whether to go on, while the next block runs: it keeps one block in
+    flight. ``stream(tokens)`` is called with each block's tokens as they arrive (NumPy int32
+    [B, k], without the columns after every row has stopped). None: one block of ``steps``
+    where nothing can end early and nothing streams, else DEFAULT_BLOCK. A block costs the
+    host one dispatch and one copy of its tokens (docs/api.md gives the overhead measured per
+    token); smaller blocks hand tokens out sooner and run fewer steps past a stop (up to two
+    blocks).
+
+    Rows not stopped get exactly the tokens of ``steps`` plain greedy steps, whatever the
+    block."""
     steps = _check_count("steps", steps)
+    block = _check_count("block", block, allow_none=True)
+    _check_stream(stream)
     token = model.check_input_ids(token, name="token", rank=1)
-    batch = cache.keys[next(i for i, k in enumerate(cache.keys) if k is not None)].shape[0]
-    if token.shape[0] != batch:
-        raise ValueError(f"decode: token has batch {token.shape[0]}, the cache {batch}")
+    stop = _stop_ids(model, stop_tokens)
+    _check_cache(cache, token.shape[0], steps)
+    blocks, cache = _run_blocks(model, token, cache, steps, block, stop,
+                                np.zeros(token.shape[0], bool), stream, drain=True)
+    return jnp.asarray(np.concatenate(blocks, axis=1)), cache
+
+
+def _check_stream(stream) -> None:
+    if stream is not None and not callable(stream):
+        raise ValueError(f"stream must be None or a callable taking each block's tokens, got "
+                         f"{stream!r}")
+
+
+def _check_cache(cache, batch: int, steps: int) -> None:
+    """ValueError unless ``cache`` suits ``steps`` decode steps of a [batch] token."""
+    cache_batch = cache.keys[next(i for i, k in enumerate(cache.keys) if k is not None)].shape[0]
+    if batch != cache_batch:
+        raise ValueError(f"decode: token has batch {batch}, the cache {cache_batch}")
     if cache.seq_layout:
         raise ValueError(f"decode takes a cache in position order; this one is sharded by "
                          f"position (seq_layout {cache.seq_layout}, a context-parallel prefill): "
@@ -174,21 +299,52 @@ def decode(model, token, cache, steps: int):
     if needed > cache.max_len:
         raise ValueError(f"the cache holds {cache.max_len} positions; {steps} decode steps from "
                          f"length {int(cache.length)} need {needed} (pass a larger max_cache_len)")
-    return jitted.decode_steps(*jitted.model_args(model), cache, token, steps)
+
+
+def _run_blocks(model, token, cache, steps, block, stop, done, stream, *, drain):
+    """Runs _decode_blocks to its end: (the blocks' tokens, the cache), each block handed to
+    ``stream`` as it arrives, without the columns after the last stop token."""
+    if block is None:
+        block = steps if stream is None and (stop < 0).all() else DEFAULT_BLOCK
+    gen = _decode_blocks(model, token, cache, steps, min(block, steps), stop,
+                         _pad_id(model, stop), done, drain)
+    blocks = []
+    while True:
+        try:
+            tokens, keep = next(gen)
+        except StopIteration as end:
+            return blocks, end.value
+        blocks.append(tokens)
+        if stream is not None and keep:
+            stream(tokens[:, :keep])
 
 
 def generate(model, input_ids, max_new_tokens: int, *, cache=None, logits=None,
-             chunk_size: int | None = None, progress: bool = False,
-             kv_cache_dtype=None) -> jax.Array:
-    """Greedy continuation of ``input_ids`` [B, S]: returns the new token ids [B, max_new_tokens].
+             chunk_size: int | None = None, progress: bool = False, kv_cache_dtype=None,
+             stop_tokens=None, block: int | None = None, stream=None) -> jax.Array:
+    """Greedy continuation of ``input_ids`` [B, S]: returns the new token ids [B, n].
 
     Without ``cache``, runs ``prefill`` first (sized for S + max_new_tokens; ``chunk_size``,
     ``progress`` and ``kv_cache_dtype`` are passed to it). To continue an
     existing prefill, pass its ``logits`` and ``cache`` (its capacity must cover the new
-    tokens; it is donated). There is no early stop at EOS: exactly max_new_tokens come back.
+    tokens; it is donated).
+
+    ``stop_tokens`` (e.g. ``model.config.eos_token_id``: EOS, and <turn|> for an
+    instruction-tuned checkpoint): a row ends with the first one it emits; the rows of a batch
+    decode together and each stops on its own. n is the longest row's length; a shorter row
+    is its tokens up to and including its stop token, then pad ids (config.pad_token_id). None
+    (the default): no stop, n = max_new_tokens, the fixed count that benchmarks and parity
+    checks rely on.
+
+    ``stream(tokens)`` is called with the tokens as they arrive, NumPy int32 [B, k]: the
+    prefill's token [B, 1], then each decode block (``block`` steps, chosen as in ``decode``,
+    which tells what a block costs); together they are the result.
     """
     max_new_tokens = _check_count("max_new_tokens", max_new_tokens)
+    block = _check_count("block", block, allow_none=True)
+    _check_stream(stream)
     ids = model.check_input_ids(input_ids)
+    stop = _stop_ids(model, stop_tokens)
     if (cache is None) != (logits is None):
         raise ValueError("pass both the cache and the last logits of a prefill, or neither")
     if cache is None:
@@ -196,7 +352,19 @@ def generate(model, input_ids, max_new_tokens: int, *, cache=None, logits=None,
                                 max_cache_len=ids.shape[1] + max_new_tokens,
                                 kv_cache_dtype=kv_cache_dtype)
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if max_new_tokens == 1:
-        return first[:, None]
-    rest, _ = decode(model, first, cache, max_new_tokens - 1)
-    return jnp.concatenate([first[:, None], rest], axis=1)
+    steps = max_new_tokens - 1
+    if steps:  # before the first token is handed out
+        _check_cache(cache, first.shape[0], steps)
+    head = np.asarray(first)[:, None]
+    done, _ = _finished(head, stop, np.zeros(head.shape[0], bool))
+    if stream is not None:
+        stream(head)
+    if not steps or done.all():
+        return jnp.asarray(head)
+    # The cache is not handed back: the block in flight after the last stop is not waited for.
+    blocks, _ = _run_blocks(model, first, cache, steps, block, stop, done, stream, drain=False)
+    tokens = np.concatenate([head] + blocks, axis=1)
+    hits = np.isin(tokens, stop[stop >= 0])
+    if hits.any(axis=1).all():  # every row stopped: drop the columns after the last stop
+        tokens = tokens[:, :int((hits.argmax(axis=1) + 1).max())]
+    return jnp.asarray(tokens)

@@ -3,6 +3,7 @@ dispatch to the CUDA kernel on GPU or to the pure-JAX reference elsewhere."""
 
 from jax_mila.ffi._registry import DISABLE_ENV, OPS, OpStatus, available, build_info, status
 from jax_mila.ffi.attention import flash_attention
+from jax_mila.ffi.decode_attention import decode_attention
 from jax_mila.ffi.norm_rope import rms_norm_rope
 from jax_mila.ffi.quantize import add_rms_norm_quantize, quantize_activations, quantize_geglu
 from jax_mila.ffi.w4a8 import grouped_w4a8_matmul, w4a8_matmul
@@ -14,6 +15,7 @@ __all__ = [
     "add_rms_norm_quantize",
     "available",
     "build_info",
+    "decode_attention",
     "flash_attention",
     "grouped_w4a8_matmul",
     "quantize_activations",

@@ -36,6 +36,7 @@ OPS: dict[str, tuple[str, ...]] = {
                         "jax_mila_flash_attention_d256_sm90"),
     "w4a8_matmul": ("jax_mila_w4a8_matmul",),
     "grouped_w4a8_matmul": ("jax_mila_grouped_w4a8_matmul",),
+    "decode_attention": ("jax_mila_decode_attention",),
 }
 
 

@@ -40,6 +40,19 @@ def _fail(field: str, why: str):
     raise ValueError(f"Gemma4Config: unsupported {field}: {why}")
 
 
+def _token_ids(value, field: str) -> tuple[int, ...]:
+    """A config's token id or list of ids (None: none) as a tuple of ints."""
+    ids = [] if value is None else value if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        _fail(field, f"{value!r} (expected a token id or a list of token ids)")
+    return tuple(ids)
+
+
+def _merged(*groups: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids of ``groups`` in order, each once."""
+    return tuple(dict.fromkeys(t for g in groups for t in g))
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeSpec:
     """RoPE of one layer type: ``inv_freq[j] = 1 / theta^(2j / head_dim)`` for the first
@@ -103,18 +116,28 @@ class Gemma4Config:
     max_position_embeddings: int = 131_072
     pad_token_id: int | None = 0
     bos_token_id: int | None = 2
+    # The ids that end generation (engine.generate's stop_tokens): config.json's eos_token_id,
+    # top level and text_config (instruction-tuned checkpoints: 1 and 106, <turn|>), and
+    # generation_config.json's where from_pretrained finds one.
     eos_token_id: tuple[int, ...] = (1,)
 
     # ---- construction -------------------------------------------------------------------
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "Gemma4Config":
-        """Reads ``config.json`` from a checkpoint directory (or the file itself)."""
+        """Reads ``config.json`` from a checkpoint directory (or the file itself); the
+        eos ids of a generation_config.json beside it are added to ``eos_token_id``."""
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            cfg = cls.from_dict(json.load(f))
+        generation = os.path.join(os.path.dirname(path), "generation_config.json")
+        if os.path.isfile(generation):
+            with open(generation) as f:
+                extra = _token_ids(json.load(f).get("eos_token_id"), "generation_config.json")
+            cfg = dataclasses.replace(cfg, eos_token_id=_merged(cfg.eos_token_id, extra))
+        return cfg
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Gemma4Config":
@@ -125,6 +148,10 @@ class Gemma4Config:
                 _fail("text_config", f"model_type {model_type!r} needs a 'text_config' object")
             text = dict(raw["text_config"])
             text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", True))
+            if raw.get("eos_token_id") is not None:  # IT checkpoints: [1, 106] at the top level
+                text["eos_token_id"] = list(_merged(
+                    _token_ids(raw["eos_token_id"], "eos_token_id"),
+                    _token_ids(text.get("eos_token_id"), "text_config.eos_token_id")))
             text_type = text.get("model_type", model_type + "_text")
             if text_type not in FLAT_MODEL_TYPES:
                 _fail("text_config.model_type", f"{text_type!r} (supported: {FLAT_MODEL_TYPES})")
@@ -173,8 +200,7 @@ class Gemma4Config:
         if moe and not (g("num_experts") and g("top_k_experts") and moe_inter):
             _fail("enable_moe_block", "true needs num_experts, top_k_experts and moe_intermediate_size")
         ple = 0 if unified else int(g("hidden_size_per_layer_input", 256) or 0)
-        eos = g("eos_token_id", 1)
-        eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        eos = _token_ids(g("eos_token_id", 1), "eos_token_id")
 
         cfg = cls(
             model_type=model_type,
