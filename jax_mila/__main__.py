@@ -6,6 +6,7 @@
     python -m jax_mila prefill  [the same options but --new-tokens]
     python -m jax_mila selftest
     python -m jax_mila bench prefill [--seqs 8192 --backends mila,reference ...]
+    python -m jax_mila bench decode [--prompts 4096 --batches 1,8 ...]
     python -m jax_mila bench attention|gemm|quantize [args]   (source checkout only)
     python -m jax_mila convert --model SRC --out DST [--quantize w4a8|none]
 
@@ -336,23 +337,26 @@ def _convert(args, parser) -> None:
 
 
 KERNEL_BENCHES = ("attention", "gemm", "quantize")
+END_TO_END_BENCHES = ("prefill", "decode")
 
 
 def _bench(args, parser) -> None:
     """Runs a benchmark.
 
-    prefill: jax_mila.bench.prefill (ships with the package), e.g.
+    prefill, decode: jax_mila.bench.prefill / jax_mila.bench.decode (ship with the package), e.g.
         python -m jax_mila bench prefill --seqs 8192 --backends mila,reference
+        python -m jax_mila bench decode --prompts 4096 --batches 1,8
     attention / gemm / quantize: the kernel benchmarks, benchmarks/<name>.py, which live in the
     source repository only (not installed); run from a source checkout, or run the script."""
     import subprocess
 
     import jax_mila
 
-    if args.which == "prefill":
-        from jax_mila.bench import prefill
+    if args.which in END_TO_END_BENCHES:
+        import importlib
 
-        prefill.main(args.bench_args, prog=f"{PROG} bench prefill")
+        bench = importlib.import_module(f"jax_mila.bench.{args.which}")
+        bench.main(args.bench_args, prog=f"{PROG} bench {args.which}")
         return
     repo = os.path.dirname(os.path.dirname(os.path.abspath(jax_mila.__file__)))
     script = os.path.join(repo, "benchmarks", f"{args.which}.py")
@@ -398,11 +402,12 @@ def main(argv=None) -> None:
         p.add_argument("--kv-cache-dtype", choices=("float8_e4m3fn",), default=None,
                        help="store the full-attention layers' K/V in FP8 (default: the model dtype)")
     sub.add_parser("selftest", help="run each op once against its reference (jax_mila.selftest)")
-    p = sub.add_parser("bench", help="benchmarks: prefill (end to end), or a kernel benchmark",
+    p = sub.add_parser("bench", help="benchmarks: prefill, decode (end to end), or a kernel "
+                                     "benchmark",
                        description=_bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("which", choices=("prefill",) + KERNEL_BENCHES, metavar="BENCHMARK",
-                   help="prefill: Gemma 4 end to end (jax_mila.bench.prefill); attention, gemm, "
-                        "quantize: benchmarks/<name>.py of a source checkout")
+    p.add_argument("which", choices=END_TO_END_BENCHES + KERNEL_BENCHES, metavar="BENCHMARK",
+                   help="prefill, decode: Gemma 4 end to end (jax_mila.bench.<name>); attention, "
+                        "gemm, quantize: benchmarks/<name>.py of a source checkout")
     rest = p.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS",
                           help="passed to the benchmark (e.g. --seqs 8192 --backends "
                                "mila,reference; BENCHMARK --help lists them)")

@@ -3,6 +3,8 @@
 - :mod:`jax_mila.bench.prefill`: end-to-end Gemma 4 prefill (tokens/s, peak memory and its
   breakdown, time split by kernel) for the kernel path, the reference path and transformers
   (``python -m jax_mila bench prefill``).
+- :mod:`jax_mila.bench.decode`: end-to-end decode after a prompt (tokens/s against the HBM
+  bound) for the same three paths (``python -m jax_mila bench decode``).
 - :mod:`jax_mila.bench.trace`: reads a jax.profiler trace and buckets GPU kernel time.
 - :mod:`jax_mila.bench.timing`: medians of wall or device time, the GPU's clock and power
   while a path ran, markdown tables and JSON output.

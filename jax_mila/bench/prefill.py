@@ -356,15 +356,23 @@ def _hf_cache_bytes(cache) -> int | None:
 
 # ----------------------------------------------------------------------------------- parent
 
-def _run_worker(spec: dict, timeout: float) -> list[dict]:
-    """Runs one backend in a child process; returns its rows (missing lengths marked)."""
+def run_worker(spec: dict, timeout: float, *, module: str = "jax_mila.bench.prefill",
+               expected: list[dict] | None = None, summary=None) -> list[dict]:
+    """Runs one backend of benchmark ``module`` (``python -m module --worker SPEC``) in a child
+    process; returns its rows, each JSON line after RESULT. ``expected``: the points (dicts of
+    the keys that identify a row) that must come back; a missing one is returned marked with
+    why (timeout, exit status, the last lines). Default: one per spec["seqs"] (prefill)."""
     import jax_mila
 
+    if expected is None:
+        extra = {} if spec.get("devices", 1) == 1 else dict(devices=spec["devices"])
+        expected = [dict(seq=s, **extra) for s in spec["seqs"]]
+    summary = summary or _summary
     env = dict(os.environ)
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with nothing held back
     root = os.path.dirname(os.path.dirname(os.path.abspath(jax_mila.__file__)))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, "-m", "jax_mila.bench.prefill", "--worker", json.dumps(spec)]
+    cmd = [sys.executable, "-m", module, "--worker", json.dumps(spec)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
@@ -374,7 +382,7 @@ def _run_worker(spec: dict, timeout: float) -> list[dict]:
             if line.startswith(RESULT):
                 row = json.loads(line[len(RESULT):])
                 rows.append(row)
-                print(f"  {_summary(row)}", flush=True)
+                print(f"  {summary(row)}", flush=True)
             else:
                 tail = (tail + [line.rstrip()])[-5:]
                 if line.startswith(spec["backend"]) or "Traceback" in line:
@@ -384,13 +392,11 @@ def _run_worker(spec: dict, timeout: float) -> list[dict]:
             print("  " + "\n  ".join(tail), flush=True)
     finally:
         timer.cancel()
-    done = {r["seq"] for r in rows}
-    extra = {} if spec.get("devices", 1) == 1 else dict(devices=spec["devices"])
     timed_out = proc.returncode is not None and proc.returncode < 0
     why = f"timed out after {timeout:.0f} s" if timed_out else f"worker exited {proc.returncode}"
-    for length in spec["seqs"]:
-        if length not in done:
-            rows.append(dict(backend=spec["backend"], seq=length, **extra,
+    for point in expected:
+        if not any(all(r.get(k) == v for k, v in point.items()) for r in rows):
+            rows.append(dict(backend=spec["backend"], **point,
                              status=f"not run ({why}): {' | '.join(tail[-2:])[:300]}"))
     return rows
 
@@ -661,7 +667,7 @@ def main(argv=None, *, prog: str = "benchmarks/prefill.py") -> list[dict]:
                         transformers_device=args.transformers_device, devices=n,
                         seq_segments=args.seq_segments)
             t = time.perf_counter()
-            rows += _run_worker(spec, args.timeout)
+            rows += run_worker(spec, args.timeout)
             print(f"  {_label(spec)}: {time.perf_counter() - t:.0f} s", flush=True)
     print()
     print(report(rows, args.backends, args.seqs))
