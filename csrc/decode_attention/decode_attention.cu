@@ -57,7 +57,9 @@ template <int kD, bool kFp8, int kRowsPerCta>
 struct Config {
   static constexpr int kEB = kFp8 ? 1 : 2;                   // bytes per cache element
   static constexpr int kSW = kD / kWarps;                    // head-dim columns per warp
-  static constexpr int kBN = (kD == 512 && !kFp8) ? 16 : 32;  // keys per tile: 16 KiB of K
+  // Keys per tile: 16 KiB of K (8 KiB for D = 256 FP8), or 16 keys at 32 rows, whose partial
+  // S buffers (8 warps x rows x keys floats) would not leave sm_89's 99 KiB room for two stages.
+  static constexpr int kBN = ((kD == 512 && !kFp8) || kRowsPerCta == 32) ? 16 : 32;
   static constexpr int kRowBytes = kD * kEB;
   static constexpr int kCPR = kRowBytes / 16;                // 16-byte chunks per key row
   static constexpr int kTileBytes = kBN * kRowBytes;         // one of K, V
