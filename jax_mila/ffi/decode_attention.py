@@ -12,7 +12,7 @@ The kernel (csrc/decode_attention/, docs/design/decode_attention.md) splits each
 keys into pieces across the SMs (flash-decoding: a partial softmax per piece, one fixed-order
 combine); it reads only the slots a query of the row can see. Its partial results are two
 extra outputs of the custom call (``pieces`` below sizes them) that this wrapper drops.
-Calls past the kernel's grid limits (B or Hkv above 65535) run the reference.
+Calls past the kernel's limits (B or Hkv above 65535, S above 2^31 - 65) run the reference.
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ TARGET = "jax_mila_decode_attention"
 # substituted keys (reference.keys_except_rotary) and reads K everywhere.
 MAX_GRID = 65535
 ROTARY_STEP = 16
-# Pieces: about CTA_WAVES_PER_SM split CTAs per SM (two waves of two resident CTAs), none
+MAX_SLOTS = 2**31 - 65
+# Pieces: about TARGET_CTAS_PER_SM split CTAs per SM (two waves of two resident CTAs), none
 # shorter than MIN_PIECE_KEYS keys, nor so short that its partial results (rows x (D + 2)
 # floats, written and read again) pass ~1/8 of the cache bytes it reads.
-CTA_WAVES_PER_SM = 4
+TARGET_CTAS_PER_SM = 4
 MIN_PIECE_KEYS = 64
 DEFAULT_SMS = 132
 
@@ -113,7 +114,7 @@ def decode_attention(q, k, v, kv_len, *, scale=None, window=None, ring=False,
     def ref(q, k, v, kv_len):
         return _reference(q, k, v, kv_len, **kwargs)
 
-    if q.shape[0] > MAX_GRID or k.shape[2] > MAX_GRID:
+    if q.shape[0] > MAX_GRID or k.shape[2] > MAX_GRID or k.shape[1] > MAX_SLOTS:
         return ref(q, k, v, kv_len)
     return dispatch(OP, _kernel(kwargs), ref, q, k, v, kv_len, target=TARGET)
 
@@ -125,16 +126,16 @@ def _sms() -> int:
         return 0
 
 
-def pieces(b: int, t: int, hq: int, hkv: int, s: int, d: int, window, cache_itemsize: int,
+def pieces(b: int, t: int, hq: int, hkv: int, s: int, window, cache_itemsize: int,
            sms: int) -> int:
-    """Key pieces per (row, KV head) of a call: CTA_WAVES_PER_SM split CTAs per SM over
+    """Key pieces per (row, KV head) of a call: TARGET_CTAS_PER_SM split CTAs per SM over
     B x Hkv x rows blocks, each piece at least max(MIN_PIECE_KEYS, 32 rows / itemsize) of the
     at most min(S, window + T - 1) keys a row's queries can see."""
     rows = t * (hq // hkv)
     row_blocks = -(-rows // (16 if rows <= 16 else 32))
     keys = s if window is None else min(s, window + t - 1)
     min_piece = max(MIN_PIECE_KEYS, 32 * rows // cache_itemsize)
-    want = -(-(CTA_WAVES_PER_SM * sms) // (b * hkv * row_blocks))
+    want = -(-(TARGET_CTAS_PER_SM * sms) // (b * hkv * row_blocks))
     return max(1, min(want, -(-keys // min_piece)))
 
 
@@ -145,7 +146,7 @@ def _kernel(kwargs):
         r = kwargs["rotary_keys_only"]
         if r is not None and r % ROTARY_STEP:
             k, r = keys_except_rotary(k, v, r), None
-        n = pieces(b, t, hq, hkv, s, d, kwargs["window"], np.dtype(k.dtype).itemsize,
+        n = pieces(b, t, hq, hkv, s, kwargs["window"], np.dtype(k.dtype).itemsize,
                    _sms() or DEFAULT_SMS)
         rows = t * (hq // hkv)
         out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
