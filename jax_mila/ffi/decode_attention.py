@@ -40,7 +40,8 @@ ROTARY_STEP = 16
 MAX_SLOTS = 2**31 - 65
 # Pieces: about TARGET_CTAS_PER_SM split CTAs per SM (two waves of two resident CTAs), none
 # shorter than MIN_PIECE_KEYS keys, nor so short that its partial results (rows x (D + 2)
-# floats, written and read again) pass ~1/8 of the cache bytes it reads.
+# floats, written and read again, mostly in L2) pass ~1/16 of the cache bytes it reads (2 D
+# bytes a key in bf16: a piece of 64 rows / itemsize keys per row).
 TARGET_CTAS_PER_SM = 4
 MIN_PIECE_KEYS = 64
 DEFAULT_SMS = 132
@@ -129,12 +130,12 @@ def _sms() -> int:
 def pieces(b: int, t: int, hq: int, hkv: int, s: int, window, cache_itemsize: int,
            sms: int) -> int:
     """Key pieces per (row, KV head) of a call: TARGET_CTAS_PER_SM split CTAs per SM over
-    B x Hkv x rows blocks, each piece at least max(MIN_PIECE_KEYS, 32 rows / itemsize) of the
+    B x Hkv x rows blocks, each piece at least max(MIN_PIECE_KEYS, 64 rows / itemsize) of the
     at most min(S, window + T - 1) keys a row's queries can see."""
     rows = t * (hq // hkv)
     row_blocks = -(-rows // (16 if rows <= 16 else 32))
     keys = s if window is None else min(s, window + t - 1)
-    min_piece = max(MIN_PIECE_KEYS, 32 * rows // cache_itemsize)
+    min_piece = max(MIN_PIECE_KEYS, 64 * rows // cache_itemsize)
     want = -(-(TARGET_CTAS_PER_SM * sms) // (b * hkv * row_blocks))
     return max(1, min(want, -(-keys // min_piece)))
 
