@@ -265,6 +265,7 @@ GPU_CASES = (
     ("d512_b3_t16_g2_rows32", (3, 16, 4, 2, 97, 512), None, None, False, jnp.bfloat16, None, 1.0),
     ("d512_rotary64_small", (3, 1, 8, 1, 97, 512), None, None, False, jnp.bfloat16, 64, 1.0),
     ("d512_rotary64_fp8", (3, 2, 16, 2, 4097, 512), None, None, False, F8, 64, 1.0),
+    ("d512_fp8_rows32", (3, 4, 8, 1, 97, 512), None, None, False, F8, 64, 1.0),
     ("d512_rotary24", (1, 2, 8, 1, 97, 512), None, None, False, jnp.bfloat16, 24, 1.0),
     ("d512_s1_small", (3, 1, 2, 2, 1, 512), None, None, False, jnp.bfloat16, None, 1.0),
     ("d512_large", (1, 2, 16, 1, 4097, 512), None, None, False, jnp.bfloat16, 64, 8.0),
@@ -274,6 +275,7 @@ GPU_CASES = (
     ("d256_ring_w5_fp8_small", (3, 16, 16, 1, 20, 256), "ring", 5, True, F8, None, 1.0),
     ("d256_window_noring", (3, 2, 8, 1, 4097, 256), None, 1024, False, jnp.bfloat16, None, 1.0),
     ("d256_full_g1", (1, 16, 8, 8, 97, 256), None, None, False, jnp.bfloat16, None, 1.0),
+    ("d256_rows32_window", (3, 16, 4, 2, 97, 256), None, 64, False, jnp.bfloat16, None, 1.0),
     ("d256_large_fp8", (3, 1, 4, 2, 97, 256), None, None, False, F8, None, 8.0),
 )
 
