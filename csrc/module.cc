@@ -30,6 +30,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaFlashAttentionD512);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaW4A8Matmul);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaGroupedW4A8Matmul);
 #endif
+#ifdef MILA_WITH_DECODE_ATTENTION
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaDecodeAttention);
+#endif
 #ifdef MILA_WITH_FLASH512_SM90
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaFlashAttentionD512Sm90);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaFlashAttentionD512Sm90RotaryKeys);
@@ -71,6 +74,9 @@ NB_MODULE(_jax_mila_cuda, m) {
 #ifdef MILA_WITH_W4A8
     targets["jax_mila_w4a8_matmul"] = EncapsulateFfiHandler(MilaW4A8Matmul);
     targets["jax_mila_grouped_w4a8_matmul"] = EncapsulateFfiHandler(MilaGroupedW4A8Matmul);
+#endif
+#ifdef MILA_WITH_DECODE_ATTENTION
+    targets["jax_mila_decode_attention"] = EncapsulateFfiHandler(MilaDecodeAttention);
 #endif
 #ifdef MILA_WITH_FLASH512_SM90
     targets["jax_mila_flash_attention_d512_sm90"] =

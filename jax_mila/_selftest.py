@@ -231,6 +231,25 @@ def _check_w4a8() -> str | None:
     return None if err <= tol else f"relative Frobenius error {err:.3g} > {tol:g}"
 
 
+def _check_decode_attention() -> str | None:
+    """A global-layer call (D=512, FP8 cache, rotary_keys_only=64, rows of different lengths)
+    and a sliding-layer ring read past its wrap (D=256, bf16, window 8)."""
+    cases = ((512, (2, 2, 16, 1, 97), (97, 5), dict(rotary_keys_only=64), jnp.float8_e4m3fn),
+             (256, (3, 2, 4, 2, 9), (9, 40, 1), dict(window=8, ring=True), jnp.bfloat16))
+    for d, (b, t, hq, hkv, s), lens, kw, dtype in cases:
+        k1, k2, k3 = jax.random.split(_fresh_key(), 3)
+        q = jax.random.normal(k1, (b, t, hq, d), jnp.float32).astype(jnp.bfloat16)
+        k = jax.random.normal(k2, (b, s, hkv, d), jnp.float32).astype(dtype)
+        v = jax.random.normal(k3, (b, s, hkv, d), jnp.float32).astype(dtype)
+        kv_len = jnp.asarray(lens, jnp.int32)
+        o = jax.jit(lambda *a: ffi.decode_attention(*a, **kw))(q, k, v, kv_len)
+        o_ref = reference.decode_attention(q, k, v, kv_len, **kw)
+        err = float(jnp.max(jnp.abs(o.astype(jnp.float32) - o_ref.astype(jnp.float32))))
+        if not err <= 2.0**-6:
+            return f"D={d} {kw}: max abs error {err:.3g} > 2^-6"
+    return None
+
+
 def _checks() -> dict[str, list[tuple[str | None, Callable[[], str | None]]]]:
     """op -> [(target or None, check)]; an op with several targets is checked per target."""
     return {
@@ -240,6 +259,7 @@ def _checks() -> dict[str, list[tuple[str | None, Callable[[], str | None]]]]:
         "rms_norm_rope": [(None, _check_rms_norm_rope)],
         "flash_attention": [(t, _attention_case(d, t)) for d, t in _attention_targets()],
         "w4a8_matmul": [(None, _check_w4a8)],
+        "decode_attention": [(None, _check_decode_attention)],
     }
 
 

@@ -29,11 +29,11 @@ export JAX_MILA_KERNELS=${JAX_MILA_KERNELS:-}  # empty: every family the archs c
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 TESTS=${TESTS-tests}  # set but empty: no tests
 SANITIZE=${SANITIZE-memcheck initcheck racecheck}  # set but empty: none
-SANITIZE_OPS=${SANITIZE_OPS:-quantize norm_rope d256 d256_mma d512 d512_rotary d512_mma w4a8 moe}  # one process per word; "d256,d512": both in one
+SANITIZE_OPS=${SANITIZE_OPS:-quantize norm_rope d256 d256_mma d512 d512_rotary d512_mma w4a8 moe decode_attention}  # one process per word; "d256,d512": both in one
 # Extra compute-sanitizer options for every tool, e.g. "--show-backtrace device": a whole-model
 # process crashed the tool itself (its front end), with nothing of ours reported.
 SANITIZE_FLAGS=${SANITIZE_FLAGS:-}
-BENCHES=${BENCHES-benchmarks/quantize.py;benchmarks/norm_rope.py;benchmarks/attention.py;benchmarks/gemm.py;benchmarks/moe.py;benchmarks/decode.py --prompts 4096 --batches 1,8 --steps 64}
+BENCHES=${BENCHES-benchmarks/quantize.py;benchmarks/norm_rope.py;benchmarks/attention.py;benchmarks/decode_attention.py;benchmarks/gemm.py;benchmarks/moe.py;benchmarks/decode.py --prompts 4096 --batches 1,8 --steps 64}
 status=0
 step() { echo "== $* ($(date +%T))"; }
 

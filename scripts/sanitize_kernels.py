@@ -23,6 +23,7 @@ Exit status 0 when every case matched its oracle.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from unittest import mock
 
@@ -352,6 +353,49 @@ def check_collectives_two_gpus():
     yield "all-gather + psum over 2 GPUs"
 
 
+# (D, B, T, Hq, Hkv, S, kv_len, window, ring, cache dtype, rotary_keys_only): both head dims, 16
+# and 32 rows a CTA, bf16 and FP8 caches, a ring read past its wrap, rows shorter than T.
+DECODE_CASES = (
+    (512, 2, 1, 16, 1, 97, (97, 5), None, False, jnp.bfloat16, None),
+    (512, 2, 2, 8, 1, 33, (33, 1), None, False, jnp.float8_e4m3fn, 64),
+    (512, 1, 16, 4, 2, 40, (40,), None, False, jnp.bfloat16, 64),
+    (256, 3, 2, 4, 2, 9, (9, 40, 1), 8, True, jnp.bfloat16, None),
+    (256, 2, 16, 16, 8, 20, (20, 70), 5, True, jnp.float8_e4m3fn, None),
+    (256, 2, 3, 2, 1, 50, (50, 17), 7, False, jnp.float8_e4m3fn, None),
+)
+
+
+def check_decode_attention():
+    """The split and combine kernels through the op, and the target with more pieces than
+    tiles (empty pieces), every output poisoned first."""
+    dec = importlib.import_module("jax_mila.ffi.decode_attention")  # the module, not the op
+    for d, b, t, hq, hkv, s, lens, window, ring, dtype, rotary in DECODE_CASES:
+        q = _bf16((b, t, hq, d))
+        k = jnp.asarray(RNG.standard_normal((b, s, hkv, d)).astype(np.float32)).astype(dtype)
+        v = jnp.asarray(RNG.standard_normal((b, s, hkv, d)).astype(np.float32)).astype(dtype)
+        kv_len = jnp.asarray(np.array(lens, np.int32))
+        kw = dict(window=window, ring=ring, rotary_keys_only=rotary)
+        o = bounds.call_with_poisoned_outputs(
+            lambda q, k, v, n: ffi.decode_attention(q, k, v, n, **kw), q, k, v, kv_len)
+        ro = _on_cpu(lambda q, k, v, n: reference.decode_attention(q, k, v, n, **kw),
+                     q, k, v, kv_len)
+        err = bounds.max_abs_err(o, ro)
+        assert err < 0.05, (d, b, t, s, lens, err)
+        yield f"decode_attention d{d} B{b} T{t} {hq}/{hkv} S{s} kv_len={lens} {kw} {dtype.__name__}"
+        rows = t * (hq // hkv)
+        pieces = 7
+        out = (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+               jax.ShapeDtypeStruct((b, hkv, pieces, rows, d), jnp.float32),
+               jax.ShapeDtypeStruct((b, hkv, pieces, rows, 2), jnp.float32))
+        target = lambda q, k, v, n: jax.ffi.ffi_call(dec.TARGET, out)(  # noqa: E731
+            q, k, v, n, scale=np.float32(d**-0.5), window=np.int64(window or 0), ring=ring,
+            rotary=np.int64(d // 2 if rotary is None else rotary), pieces=np.int64(pieces))
+        o7 = bounds.call_with_poisoned_outputs(target, q, k, v, kv_len)[0]
+        err = bounds.max_abs_err(o7, ro)
+        assert err < 0.05, (d, b, t, s, lens, pieces, err)
+        yield f"decode_attention d{d} ... {pieces} pieces"
+
+
 # On Hopper "d256" / "d512" run the sm90 kernels (the route there); "d256_mma" / "d512_mma"
 # the portable mma.sync kernels.
 OPS = {"quantize": check_quantize, "norm_rope": check_norm_rope,
@@ -360,7 +404,8 @@ OPS = {"quantize": check_quantize, "norm_rope": check_norm_rope,
        "d512_rotary": lambda: check_attention(512, rotary_keys_only=64),  # Hopper: *_rotary_keys
        "d256_mma": lambda: _mma_sync(256),
        "d512_mma": lambda: _mma_sync(512),
-       "w4a8": check_w4a8, "moe": check_grouped_w4a8, "prefill_1gpu": check_prefill_one_gpu,
+       "w4a8": check_w4a8, "moe": check_grouped_w4a8,
+       "decode_attention": check_decode_attention, "prefill_1gpu": check_prefill_one_gpu,
        "prefill_cp2": check_prefill_two_gpus,
        "collectives_cp2": check_collectives_two_gpus}
 

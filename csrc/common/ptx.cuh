@@ -95,6 +95,25 @@ __device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
       __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
 }
 
+// Two float8_e4m3fn values (lo in bits 0-7, hi in bits 8-15 of `x`; bits 16-31 ignored) ->
+// packed bf16x2, exactly (sm_80+: no fp8 conversion instruction needed). Each byte's exponent
+// and mantissa bits are placed at the bottom of an fp32 exponent / the top of its mantissa,
+// which reads 2^-120 times the e4m3 value (subnormals included: fp32 keeps them without ftz);
+// the multiply by 2^120 is exact and so is the rounding to bf16 (4 significant bits). NaN
+// (0x7f / 0xff) reads as +-480: the caches hold finite values.
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t x) {
+  const float lo = __uint_as_float(((x & 0x80u) << 24) | ((x & 0x7fu) << 20)) * 0x1p120f;
+  const float hi = __uint_as_float(((x & 0x8000u) << 16) | ((x & 0x7f00u) << 12)) * 0x1p120f;
+  return pack_bf16x2(lo, hi);
+}
+
+// 32-bit shared-memory load at a .shared address (smem_addr()).
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+
 // ---- fast math -------------------------------------------------------------
 
 __device__ __forceinline__ float exp2_approx(float x) {

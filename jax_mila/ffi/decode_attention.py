@@ -8,17 +8,22 @@ position p < kv_len[b] with p % S == s. Causal, with an optional ``window`` W (q
 < W); a ring needs a window and S >= W + T - 1. ``rotary_keys_only=r`` as flash_attention's.
 The full contract: jax_mila/reference/decode_attention.py.
 
-The kernel splits each row's keys into pieces across the SMs (flash-decoding: a partial
-softmax per piece, one combine); it reads only the valid slots of each row.
+The kernel (csrc/decode_attention/, docs/design/decode_attention.md) splits each row's visible
+keys into pieces across the SMs (flash-decoding: a partial softmax per piece, one fixed-order
+combine); it reads only the slots a query of the row can see. Its partial results are two
+extra outputs of the custom call (``pieces`` below sizes them) that this wrapper drops.
+Calls past the kernel's limits (B or Hkv above 65535, S above 2^31 - 65) run the reference.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_mila.ffi import _checks
 from jax_mila.ffi._registry import dispatch
+from jax_mila.reference.attention import keys_except_rotary
 from jax_mila.reference.decode_attention import decode_attention as _reference
 
 OP = "decode_attention"
@@ -27,6 +32,19 @@ MAX_NEW_TOKENS = 16
 MAX_GROUPS = 16
 CACHE_DTYPES = (jnp.bfloat16, jnp.float8_e4m3fn)
 TARGET = "jax_mila_decode_attention"
+# Kernel limits (csrc/decode_attention/decode_attention_ffi.cc): B and Hkv are grid dimensions;
+# the kernel loads K in 16-column steps, so rotary_keys_only=r with r % 16 != 0 gets the
+# substituted keys (reference.keys_except_rotary) and reads K everywhere.
+MAX_GRID = 65535
+ROTARY_STEP = 16
+MAX_SLOTS = 2**31 - 65
+# Pieces: about TARGET_CTAS_PER_SM split CTAs per SM (two waves of two resident CTAs), none
+# shorter than MIN_PIECE_KEYS keys, nor so short that its partial results (rows x (D + 2)
+# floats, written and read again, mostly in L2) pass ~1/16 of the cache bytes it reads (2 D
+# bytes a key in bf16: a piece of 64 rows / itemsize keys per row).
+TARGET_CTAS_PER_SM = 4
+MIN_PIECE_KEYS = 64
+DEFAULT_SMS = 132
 
 
 def _check(q, k, v, kv_len, scale, window, ring, rotary_keys_only) -> None:
@@ -55,8 +73,8 @@ def _check(q, k, v, kv_len, scale, window, ring, rotary_keys_only) -> None:
     _checks.check_dtype(OP, "kv_len", kv_len, (jnp.int32,))
     if kv_len.shape[0] != b:
         fail("kv_len", f"one length per row: expected [{b}], got {list(kv_len.shape)}")
-    if scale is not None and not (_checks.finite_in_float32(float(scale))):
-        fail("scale", f"must be finite in float32, got {scale!r}")
+    if scale is not None and not (_is_real(scale) and _checks.finite_in_float32(float(scale))):
+        fail("scale", f"must be None or a number finite in float32, got {scale!r}")
     if window is not None:
         if not _checks.is_int(window) or window < 1:
             fail("window", f"must be None or an int >= 1, got {window!r}")
@@ -76,6 +94,16 @@ def _check(q, k, v, kv_len, scale, window, ring, rotary_keys_only) -> None:
                                  f"{rotary_keys_only!r}")
 
 
+def _is_real(x) -> bool:
+    if isinstance(x, (bool, str, bytes)):
+        return False
+    try:
+        float(x)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def decode_attention(q, k, v, kv_len, *, scale=None, window=None, ring=False,
                      rotary_keys_only=None):
     """o [B, T, Hq, D] (q's dtype): each row's T new queries over its cache (module
@@ -87,12 +115,46 @@ def decode_attention(q, k, v, kv_len, *, scale=None, window=None, ring=False,
     def ref(q, k, v, kv_len):
         return _reference(q, k, v, kv_len, **kwargs)
 
-    # The CUDA kernel (csrc/decode_attention/) registers TARGET; until a build has it, every
-    # device runs the reference.
+    if q.shape[0] > MAX_GRID or k.shape[2] > MAX_GRID or k.shape[1] > MAX_SLOTS:
+        return ref(q, k, v, kv_len)
     return dispatch(OP, _kernel(kwargs), ref, q, k, v, kv_len, target=TARGET)
+
+
+def _sms() -> int:
+    try:
+        return max(int(getattr(d, "core_count", 0) or 0) for d in jax.devices("cuda"))
+    except (RuntimeError, ValueError):
+        return 0
+
+
+def pieces(b: int, t: int, hq: int, hkv: int, s: int, window, cache_itemsize: int,
+           sms: int) -> int:
+    """Key pieces per (row, KV head) of a call: TARGET_CTAS_PER_SM split CTAs per SM over
+    B x Hkv x rows blocks, each piece at least max(MIN_PIECE_KEYS, 64 rows / itemsize) of the
+    at most min(S, window + T - 1) keys a row's queries can see."""
+    rows = t * (hq // hkv)
+    row_blocks = -(-rows // (16 if rows <= 16 else 32))
+    keys = s if window is None else min(s, window + t - 1)
+    min_piece = max(MIN_PIECE_KEYS, 64 * rows // cache_itemsize)
+    want = -(-(TARGET_CTAS_PER_SM * sms) // (b * hkv * row_blocks))
+    return max(1, min(want, -(-keys // min_piece)))
 
 
 def _kernel(kwargs):
     def kernel(q, k, v, kv_len):
-        raise NotImplementedError  # replaced by the kernel's ffi_call
+        b, t, hq, d = q.shape
+        s, hkv = k.shape[1], k.shape[2]
+        r = kwargs["rotary_keys_only"]
+        if r is not None and r % ROTARY_STEP:
+            k, r = keys_except_rotary(k, v, r), None
+        n = pieces(b, t, hq, hkv, s, kwargs["window"], np.dtype(k.dtype).itemsize,
+                   _sms() or DEFAULT_SMS)
+        rows = t * (hq // hkv)
+        out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                     jax.ShapeDtypeStruct((b, hkv, n, rows, d), jnp.float32),
+                     jax.ShapeDtypeStruct((b, hkv, n, rows, 2), jnp.float32))
+        call = jax.ffi.ffi_call(TARGET, out_types, vmap_method="sequential")
+        return call(q, k, v, kv_len, scale=np.float32(kwargs["scale"]),
+                    window=np.int64(kwargs["window"] or 0), ring=bool(kwargs["ring"]),
+                    rotary=np.int64(d // 2 if r is None else r), pieces=np.int64(n))[0]
     return kernel
