@@ -227,7 +227,7 @@ def _check_w4a8() -> str | None:
     err = float(jnp.linalg.norm(y - y_ref) / jnp.linalg.norm(y_ref))
     # The Hopper (wgmma) kernels accumulate FP8 at reduced precision (jax_mila/ffi/w4a8.py).
     from jax_mila.ffi import w4a8 as w4a8_module
-    tol = 1e-5 if w4a8_module.auto_kernel() == "mma_sync" else 4e-4
+    tol = 1e-5 if w4a8_module.auto_kernel(x.shape[0]) == "mma_sync" else 4e-4
     return None if err <= tol else f"relative Frobenius error {err:.3g} > {tol:g}"
 
 
