@@ -8,7 +8,7 @@ of trials of `--calls` back-to-back calls after warm-up. Tables last; JSON to $O
 
     python benchmarks/gemm.py [--m 16384,1024] [--only qkv,down] [--kernels auto,mma_sync]
                               [--shapes 8192x8192,8192x15360] [--interleave]
-    python benchmarks/gemm.py --decode [--m 1,4,8,16] [--only 12b_down,31b_gate]
+    python benchmarks/gemm.py --decode [--m 1,4,8,16] [--only 12b,31b_gate]
 
 --decode times the GEMV of decode instead (kernel="gemv", what "auto" runs for 1-16 rows) on
 every linear of Gemma 4 12B and 31B (DECODE_SHAPES): device time per call, the bytes it moves
@@ -243,6 +243,14 @@ def decode_main(args) -> None:
     """The decode table (--decode): see the module docstring."""
     from jax_mila.ffi import w4a8 as w4a8_module
 
+    # --only: names of DECODE_SHAPES, or a model's prefix ("12b", "31b") for all of its linears.
+    tokens = [t for t in args.only.split(",") if t]
+    names = [n for n in DECODE_SHAPES
+             if not tokens or any(n == t or n.startswith(t + "_") for t in tokens)]
+    unknown = [t for t in tokens if not any(n == t or n.startswith(t + "_") for n in names)]
+    if unknown:
+        sys.exit(f"--only: unknown {unknown} for --decode; known: 12b, 31b, "
+                 f"{', '.join(DECODE_SHAPES)}")
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind}; {ffi.status('w4a8_matmul')}", flush=True)
     copy_s = _copy_seconds(COPY_BYTES, args.calls)
@@ -250,10 +258,6 @@ def decode_main(args) -> None:
         sys.exit("--decode needs device time from a profiler trace (a GPU run)")
     copy_gbps = 2 * COPY_BYTES / copy_s / 1e9
     print(f"copy bandwidth (1 GiB, read + write): {copy_gbps:.0f} GB/s", flush=True)
-    names = [n for n in args.only.split(",") if n] if args.only else list(DECODE_SHAPES)
-    unknown = sorted(set(names) - set(DECODE_SHAPES))
-    if unknown:
-        sys.exit(f"--only: unknown {unknown} for --decode; known: {', '.join(DECODE_SHAPES)}")
     header = ["linear", "N x K", "M", "us", "GB/s", "of copy BW (1 GiB)", "same-bytes copy us",
               "of same-bytes copy BW", "splits"]
     rows, records = [], []
@@ -328,7 +332,8 @@ def main() -> None:
                              f"{ACCURACY_ROWS} rows, against a float32 product)")
     parser.add_argument("--decode", action="store_true",
                         help=f"the decode GEMV on every 12B/31B linear (--m defaults to "
-                             f"{DECODE_ROWS}; --only picks from DECODE_SHAPES)")
+                             f"{DECODE_ROWS}; --only picks from DECODE_SHAPES or names a "
+                             "model: 12b, 31b)")
     args = parser.parse_args()
     if args.decode:
         if args.m == parser.get_default("m"):

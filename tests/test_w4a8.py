@@ -446,6 +446,75 @@ class W4A8ReferenceTest(parameterized.TestCase):
         self.assertEqual(self._traced_variant(xq, xs, w, kernel="gemv")[0], 4)
         self.assertEqual(self._traced_variant(xq, xs, w, kernel="mma_sync")[0], 1)
 
+    def test_gemv_register_layout_emulated(self):
+        # The GEMV's per-lane arithmetic replayed in numpy on one warp tile (16 weight rows, 8
+        # activation rows, 3 groups of K): its table constants read from the kernel source,
+        # word -> fp16 high bytes (the prmt conversion of ptx.cuh), the byte permutes into
+        # fp16x2, the A/B fragment registers each lane passes to mma.sync.m16n8k16 placed where
+        # PTX's fragment layout puts them, the epilogue's 2^(channel_exp - 127). It must equal
+        # the product of the dequantized weights: a wrong table, sign, k order or fragment
+        # slot is an O(1) error. (The GPU tests run the kernel itself.)
+        src = open(os.path.join(testing.REPO, "csrc/w4a8/w4a8_gemv.cu")).read()
+        const = {name: int(re.search(rf"constexpr uint32_t {name} = (0x[0-9A-Fa-f]+)u;",
+                                     src).group(1), 16)
+                 for name in ("kLutLo", "kLutHi", "kStepLo", "kStepHi")}
+        shift = int(re.search(r"constexpr int kChannelShift = (\d+);", src).group(1))
+        perm = [int(v, 16) for v in re.findall(r"prmt\((?:lo|hi), 0u, (0x[0-9a-f]+)u\)", src)]
+        self.assertEqual(len(perm), 4)
+        mask = 0xFFFFFFFF
+
+        def prmt(a, b, sel):  # sel nibbles < 8: plain byte selection from {b, a}
+            src_bytes = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF
+                                                                   for i in range(4)]
+            return sum(src_bytes[(sel >> 4 * i) & 7] << 8 * i for i in range(4))
+
+        def halves(v):  # fp16x2 register -> (low, high) values
+            return np.array([v & 0xFFFF, v >> 16], np.uint16).view(np.float16).astype(np.float64)
+
+        def pair(a, b):
+            h = np.array([a, b], np.float16).view(np.uint16)
+            return int(h[0]) | int(h[1]) << 16
+
+        rng = np.random.default_rng(_seed())
+        n, k, rows = 16, 384, 8
+        w = rng.standard_normal((n, k)) * np.exp2(rng.integers(-20, 21, (n, 1)))
+        w[:, 32:64] *= 2.0 ** -11  # a block at the exponent floor
+        q = quant.quantize_mxfp4(jnp.asarray(w, jnp.float32))
+        packed, scales, chexp = (np.asarray(a) for a in (q.packed, q.scales, q.channel_exp))
+        x = jax.random.normal(jax.random.key(_seed()), (rows, k), jnp.float32) * 5
+        xq, xs = ffi.quantize_activations(x.astype(jnp.bfloat16))
+        x8 = np.asarray(xq.astype(jnp.float32), np.float64)
+        acc = np.zeros((n, rows))  # D[weight row, activation row]
+        for j, b in itertools.product(range(k // 128), range(4)):
+            a_mat, b_mat = np.zeros((2, 16, 16)), np.zeros((2, 16, 8))
+            for g, qq in itertools.product(range(8), range(4)):
+                h = []
+                for row in (g, g + 8):
+                    off = 64 * j + 16 * qq + 4 * b
+                    word = int.from_bytes(packed[row, off:off + 4].tobytes(), "little")
+                    e, r = int(scales[row, 4 * j + b]), int(chexp[row])
+                    lut_lo = (e * const["kStepLo"] + const["kLutLo"] - r * const["kStepLo"]) & mask
+                    lut_hi = (e * const["kStepHi"] + const["kLutHi"] - r * const["kStepHi"]) & mask
+                    mag = word & 0x77777777
+                    lo = prmt(lut_lo, lut_hi, mag & 0xFFFF) | (word & 0x80808080)
+                    hi = prmt(lut_lo, lut_hi, mag >> 16) | ((word << 4) & 0x80808080)
+                    h.append([prmt(lo, 0, perm[0]), prmt(lo, 0, perm[1]),
+                              prmt(hi, 0, perm[2]), prmt(hi, 0, perm[3])])
+                k0 = 128 * j + 32 * b
+                xv = x8[g, [k0 + 4 * qq + d for d in (0, 1, 2, 3, 16, 17, 18, 19)]]
+                xb = [pair(*xv[0:2]), pair(*xv[2:4]), pair(*xv[4:6]), pair(*xv[6:8])]
+                for t in range(2):  # the two mmas of a block: a_lo/b_lo, a_hi/b_hi
+                    a = [h[0][2 * t], h[1][2 * t], h[0][2 * t + 1], h[1][2 * t + 1]]
+                    a_mat[t, g, 2 * qq:2 * qq + 2] = halves(a[0])
+                    a_mat[t, g + 8, 2 * qq:2 * qq + 2] = halves(a[1])
+                    a_mat[t, g, 2 * qq + 8:2 * qq + 10] = halves(a[2])
+                    a_mat[t, g + 8, 2 * qq + 8:2 * qq + 10] = halves(a[3])
+                    b_mat[t, 2 * qq:2 * qq + 2, g] = halves(xb[2 * t])
+                    b_mat[t, 2 * qq + 8:2 * qq + 10, g] = halves(xb[2 * t + 1])
+            acc += a_mat[0] @ b_mat[0] + a_mat[1] @ b_mat[1]
+        got = acc.T * np.exp2(chexp.astype(np.float64) - shift) * np.asarray(xs, np.float64)[:, None]
+        self.assertLess(testing.rel_fro_err(got, _exact_product(xq, xs, q)), 1e-12)
+
     def test_gemv_rejects_what_it_cannot_take(self):
         xq, xs, w = _operands(17, 64, 256, 0)
         with self.assertRaisesRegex(ValueError, r"w4a8_matmul: kernel: 'gemv' takes 1 to 16 "
