@@ -11,6 +11,9 @@ import functools
 import itertools
 import os
 import re
+import subprocess
+import sys
+import textwrap
 from unittest import mock
 
 import jax
@@ -976,6 +979,36 @@ class W4A8GemvTest(_KernelTestBase):
             np.testing.assert_array_equal(auto.reshape(m, 520), gemv)
             self.assertLess(testing.rel_fro_err(auto.reshape(m, 520), _exact_product(
                 xq.reshape(m, -1), xs.reshape(m), w)), 4e-3)  # bf16 output
+
+    def test_inside_cuda_graph(self):
+        """In a child process with XLA command buffers (CUDA graphs) forced on for custom calls:
+        the split-K memset and launch captured once and replayed with new activations (the
+        counters must be zeroed again by each replay, or the second call's sums go wrong)."""
+        script = textwrap.dedent("""
+            import sys
+            sys.path.insert(0, %r)
+            import jax, jax.numpy as jnp, numpy as np
+            from jax_mila import ffi
+            from test_w4a8 import _operands, _exact_product
+            import testing
+            from jax_mila.ffi import w4a8
+            _, _, w = _operands(1, 264, 2112, 5)
+            assert w4a8._gemv_plan(264, 2176, 3, w4a8._sms())[1] > 1
+            f = jax.jit(lambda x, s, w: ffi.w4a8_matmul(x, s * 1.0, w, out_dtype=jnp.float32,
+                                                        kernel="gemv"))
+            for seed in range(4):
+                xq, xs, _ = _operands(3, 8, 2112, 100 + seed)
+                err = testing.rel_fro_err(f(xq, xs, w), _exact_product(xq, xs, w))
+                assert err < 2e-6, (seed, err)
+            print("CHILD OK")
+        """ % os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                            " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
+                            " --xla_gpu_graph_min_graph_size=1")
+        res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, timeout=300)
+        self.assertIn("CHILD OK", res.stdout, res.stderr[-3000:])
 
     def test_handler_refuses_what_the_wrapper_would(self):
         # The custom call past every Python check: INVALID_ARGUMENT, no launch.
