@@ -35,13 +35,15 @@ kernels sum every 256 of K in a fresh wgmma accumulator and add it into float32 
 < 1e-5 for mma_sync's float32 accumulation (tests/test_w4a8.py). Kernels and measurements:
 docs/design/w4a8.md, docs/performance.md.
 
-Where it runs: the CUDA kernels need FP8 mma (compute capability >= 8.9). Elsewhere (sm_80, CPU,
-kernel not built, JAX_MILA_DISABLE) the wrappers run the pure-JAX reference
+Where it runs: the CUDA kernels need FP8 mma (compute capability >= 8.9; "gemv" needs only
+sm_80's fp16 mma but runs where the others do until an sm_80 GPU has validated it). Elsewhere
+(sm_80, CPU, kernel not built, JAX_MILA_DISABLE) the wrappers run the pure-JAX reference
 (jax_mila.reference.w4a8), logged once. A wgmma kernel named explicitly raises ValueError at
 trace time where it cannot run.
 
-Numerics: every weight code becomes an exact e4m3 value (jax_mila/quant/mxfp4.py), products
-accumulate in float32, and x_scale[m] * 2**(channel_exp[n] - 133) is applied once in the
+Numerics: every weight code becomes an exact e4m3 value (jax_mila/quant/mxfp4.py; "gemv": an
+exact fp16 value, the activations too), products accumulate in float32, and the row and channel
+scales (x_scale[m] * 2**(channel_exp[n] - 133), "gemv": - 127) are applied once in the
 epilogue, so the kernels equal the float32 product of the dequantized operands up to float32
 summation order (and the wgmma promotion above).
 """
