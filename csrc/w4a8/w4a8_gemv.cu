@@ -151,21 +151,35 @@ __global__ void __launch_bounds__(kThreads, kW4A8GemvCtasPerSm)
   // past K): row r at r * stride; block lb (local) at lb * 64 bytes; in it the 16 bytes of q
   // hold k = 4q..4q+3 and 16+4q..16+4q+3, the order of word_to_f16.
   {
-    const int blocks = kc * 4;
-    for (int i = tid; i < 8 * kMT * blocks; i += kThreads) {
-      const int r = i / blocks, lb = i % blocks;
-      const int64_t k = static_cast<int64_t>(j0) * kW4A8KMultiple + lb * 32;
-      const bool in = r < M && k < K;  // K % 32 == 0: a block is wholly in or out
-      const uint8_t* src = args.x + (in ? r * K + k : 0);
-      const uint4 a = ptx::ld_nc_v4_or_zero<false>(src, in);
-      const uint4 b = ptx::ld_nc_v4_or_zero<false>(src + 16, in);
-      const uint32_t aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
-      uint8_t* dst = smem + r * stride + lb * 64;
+    // kStageLoads (row, block) items a thread at once: their loads in flight together (at 16
+    // rows and kc = 23 that is 2 L2 round trips before the first product, not 6).
+    constexpr int kStageLoads = 4;
+    const int blocks = kc * 4, items = 8 * kMT * blocks;
+    for (int i0 = tid; i0 < items; i0 += kThreads * kStageLoads) {
+      uint4 a[kStageLoads], b[kStageLoads];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        *reinterpret_cast<uint4*>(dst + 16 * c) =
-            make_uint4(e4m3x2_to_f16x2(aw[c]), e4m3x2_to_f16x2(aw[c] >> 16),
-                       e4m3x2_to_f16x2(bw[c]), e4m3x2_to_f16x2(bw[c] >> 16));
+      for (int s = 0; s < kStageLoads; ++s) {
+        const int i = i0 + s * kThreads;
+        const int r = i / blocks, lb = i % blocks;
+        const int64_t k = static_cast<int64_t>(j0) * kW4A8KMultiple + lb * 32;
+        const bool in = i < items && r < M && k < K;  // K % 32 == 0: blocks wholly in or out
+        const uint8_t* src = args.x + (in ? r * K + k : 0);
+        a[s] = ptx::ld_nc_v4_or_zero<false>(src, in);
+        b[s] = ptx::ld_nc_v4_or_zero<false>(src + 16, in);
+      }
+#pragma unroll
+      for (int s = 0; s < kStageLoads; ++s) {
+        const int i = i0 + s * kThreads;
+        if (i >= items) break;
+        const uint32_t aw[4] = {a[s].x, a[s].y, a[s].z, a[s].w};
+        const uint32_t bw[4] = {b[s].x, b[s].y, b[s].z, b[s].w};
+        uint8_t* dst = smem + (i / blocks) * stride + (i % blocks) * 64;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          *reinterpret_cast<uint4*>(dst + 16 * c) =
+              make_uint4(e4m3x2_to_f16x2(aw[c]), e4m3x2_to_f16x2(aw[c] >> 16),
+                         e4m3x2_to_f16x2(bw[c]), e4m3x2_to_f16x2(bw[c] >> 16));
+        }
       }
     }
   }
