@@ -259,20 +259,23 @@ __global__ void __launch_bounds__(kThreads, kW4A8GemvCtasPerSm)
     __syncthreads();
     if (!last_arrival) return;
     __threadfence();
-    const float* tile_slots = slots + tile * plan.splits * slot_elems;
+    // Every element's sum in split order (the same sums every run); the splits outside, so
+    // that the loads of several splits and all of a lane's elements are in flight together.
+    const float* slot = slots + tile * plan.splits * slot_elems + 2 * q * kRows;
 #pragma unroll
     for (int t = 0; t < kMT; ++t)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int m = 8 * t + 2 * q + e;
-        float s0 = 0.f, s1 = 0.f;
-        for (int s = 0; s < plan.splits; ++s) {  // split order: the same sums every run
-          s0 += __ldcg(tile_slots + s * slot_elems + m * kRows + c0);
-          s1 += __ldcg(tile_slots + s * slot_elems + m * kRows + c1);
+      for (int e = 0; e < 4; ++e) acc[t][e] = 0.f;
+#pragma unroll 4
+    for (int s = 0; s < plan.splits; ++s, slot += slot_elems) {
+#pragma unroll
+      for (int t = 0; t < kMT; ++t)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          acc[t][e] += __ldcg(slot + (8 * t + e) * kRows + c0);
+          acc[t][2 + e] += __ldcg(slot + (8 * t + e) * kRows + c1);
         }
-        acc[t][e] = s0;
-        acc[t][2 + e] = s1;
-      }
+    }
   }
 
   if (!warp_active) return;
