@@ -8,6 +8,15 @@ of trials of `--calls` back-to-back calls after warm-up. Tables last; JSON to $O
 
     python benchmarks/gemm.py [--m 16384,1024] [--only qkv,down] [--kernels auto,mma_sync]
                               [--shapes 8192x8192,8192x15360] [--interleave]
+    python benchmarks/gemm.py --decode [--m 1,4,8,16] [--only 12b,31b_gate]
+
+--decode times the GEMV of decode instead (kernel="gemv", what "auto" runs for 1-16 rows) on
+every linear of Gemma 4 12B and 31B (DECODE_SHAPES): device time per call, the bytes it moves
+(MXFP4 codes, exponents and channel exponents, activations, output) per second, and that as a
+fraction of a device-to-device copy's bandwidth measured in the same run: (read + write) bytes
+per second of an XLA elementwise pass over 1 GiB, and over the same bytes as the weights (a
+launch of that size has the same fixed costs). Weights and copies rotate over enough buffers
+that L2 (50 MiB on an H100) does not serve repeats. JSON to $OUT/gemm_decode.json.
 
 The second table gives, per path, the median SM clock and board power while it was timed
 (nvidia-smi, sampled in the background: FP8 GEMMs run at the board's power limit, where the
@@ -198,6 +207,100 @@ def _xla_bf16(x, wt):
     return jnp.dot(x, wt)
 
 
+# Every linear of Gemma 4 12B and 31B as jax_mila.gemma4 runs it (one call each: q, k and v,
+# gate and up separately; ../shared/specs/gemma4.md, 2.1): name -> (N, K).
+DECODE_SHAPES = {
+    "12b_q_sliding": (4096, 3840), "12b_kv_sliding": (2048, 3840),
+    "12b_q_global": (8192, 3840), "12b_k_global": (512, 3840),
+    "12b_o_sliding": (3840, 4096), "12b_o_global": (3840, 8192),
+    "12b_gate": (15360, 3840), "12b_down": (3840, 15360),
+    "31b_q_sliding": (8192, 5376), "31b_kv_sliding": (4096, 5376),
+    "31b_q_global": (16384, 5376), "31b_k_global": (2048, 5376),
+    "31b_o_sliding": (5376, 8192), "31b_o_global": (5376, 16384),
+    "31b_gate": (21504, 5376), "31b_down": (5376, 21504),
+}
+DECODE_ROWS = "1,4,8,16"
+# Buffers a timed call rotates over: at least this many bytes in all, so that L2 holds none of
+# them when its turn comes again.
+ROTATE_BYTES = 256 << 20
+COPY_BYTES = 1 << 30
+
+
+def _rotation(nbytes: int) -> int:
+    return max(2, min(256, -(-ROTATE_BYTES // max(nbytes, 1))))
+
+
+def _copy_seconds(nbytes: int, calls: int):
+    """Device seconds per pass of an XLA elementwise kernel reading and writing `nbytes` (a
+    device-to-device copy's traffic), over rotating buffers; None without a device trace."""
+    words = max(nbytes // 4, 1)
+    bufs = [(jnp.full((words,), i, jnp.uint32),) for i in range(_rotation(nbytes))]
+    return median_device_seconds_per_call(lambda a: a ^ jnp.uint32(0x5A5A5A5A), bufs,
+                                          calls=max(calls, len(bufs)))
+
+
+def decode_main(args) -> None:
+    """The decode table (--decode): see the module docstring."""
+    from jax_mila.ffi import w4a8 as w4a8_module
+
+    # --only: names of DECODE_SHAPES, or a model's prefix ("12b", "31b") for all of its linears.
+    tokens = [t for t in args.only.split(",") if t]
+    names = [n for n in DECODE_SHAPES
+             if not tokens or any(n == t or n.startswith(t + "_") for t in tokens)]
+    unknown = [t for t in tokens if not any(n == t or n.startswith(t + "_") for n in names)]
+    if unknown:
+        sys.exit(f"--only: unknown {unknown} for --decode; known: 12b, 31b, "
+                 f"{', '.join(DECODE_SHAPES)}")
+    dev = jax.devices()[0]
+    print(f"device: {dev.device_kind}; {ffi.status('w4a8_matmul')}", flush=True)
+    copy_s = _copy_seconds(COPY_BYTES, args.calls)
+    if copy_s is None:
+        sys.exit("--decode needs device time from a profiler trace (a GPU run)")
+    copy_gbps = 2 * COPY_BYTES / copy_s / 1e9
+    print(f"copy bandwidth (1 GiB, read + write): {copy_gbps:.0f} GB/s", flush=True)
+    header = ["linear", "N x K", "M", "us", "GB/s", "of copy BW (1 GiB)", "same-bytes copy us",
+              "of same-bytes copy BW", "splits"]
+    rows, records = [], []
+    sms = w4a8_module._sms()
+    for name in names:
+        n, k = DECODE_SHAPES[name]
+        w = jax.random.normal(jax.random.key(n + k), (n, k), jnp.float32) / np.sqrt(k)
+        wq = quant.quantize_mxfp4(w, name=name)
+        del w
+        copies = _rotation(wq.nbytes)
+        weights = [wq] + [jax.tree.map(lambda a: a + jnp.uint8(0), wq) for _ in range(copies - 1)]
+        same_s = _copy_seconds(wq.nbytes, args.calls)
+        for m in (int(v) for v in args.m.split(",")):
+            x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+            xq, xs = jax.block_until_ready(ffi.quantize_activations(x))
+            fn = lambda a, b, c: ffi.w4a8_matmul(a, b, c, kernel="gemv")  # noqa: E731
+            seconds = median_device_seconds_per_call(
+                fn, [(xq, xs, wi) for wi in weights], calls=max(args.calls, copies))
+            moved = wq.nbytes + xq.size + 4 * xs.size + 2 * m * n
+            splits = w4a8_module._gemv_plan(n, wq.shape[1], m, sms)[1]
+            rec = {"linear": name, "N": n, "K": k, "M": m, "bytes": moved, "seconds": seconds,
+                   "copy_gbps_1gib": copy_gbps, "copy_seconds_same_bytes": same_s,
+                   "splits": splits}
+            if seconds is None:
+                rows.append([name, f"{n} x {k}", m, "-", "-", "-", "-", "-", splits])
+            else:
+                gbps = moved / seconds / 1e9
+                same_gbps = 2 * wq.nbytes / same_s / 1e9 if same_s else None
+                rec.update(gbps=gbps, fraction_of_copy=gbps / copy_gbps,
+                           fraction_of_same_bytes_copy=gbps / same_gbps if same_gbps else None)
+                rows.append([name, f"{n} x {k}", m, f"{seconds * 1e6:.1f}", f"{gbps:.0f}",
+                             f"{gbps / copy_gbps:.0%}",
+                             f"{same_s * 1e6:.1f}" if same_s else "-",
+                             f"{gbps / same_gbps:.0%}" if same_gbps else "-", splits])
+            records.append(rec)
+            print(" | ".join(str(c) for c in rows[-1]), flush=True)
+        del weights
+    write_json("gemm_decode", {"device": dev.device_kind, "copy_gbps_1gib": copy_gbps,
+                               "rows": records})
+    print()
+    print(markdown_table(header, rows))
+
+
 ANCHOR_LABELS = {
     "xla_bf16": "XLA bf16",
     "xla_fp8_scaled": "XLA FP8 + scales",
@@ -227,7 +330,18 @@ def main() -> None:
     parser.add_argument("--no-accuracy", dest="accuracy", action="store_false",
                         help="skip each path's accumulation error (float32 output, first "
                              f"{ACCURACY_ROWS} rows, against a float32 product)")
+    parser.add_argument("--decode", action="store_true",
+                        help=f"the decode GEMV on every 12B/31B linear (--m defaults to "
+                             f"{DECODE_ROWS}; --only picks from DECODE_SHAPES or names a "
+                             "model: 12b, 31b)")
     args = parser.parse_args()
+    if args.decode:
+        if args.m == parser.get_default("m"):
+            args.m = DECODE_ROWS
+        if args.only == parser.get_default("only"):
+            args.only = ""
+        decode_main(args)
+        return
     extra = [v.lower() for v in args.shapes.split(",") if v]
     shapes = {**SHAPES, **{spec: tuple(int(d) for d in spec.split("x")) for spec in extra}}
     sampler = GpuSampler()

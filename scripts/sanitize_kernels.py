@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import sys
 from unittest import mock
 
@@ -200,6 +201,30 @@ def check_w4a8():
                         a, b, c, out_dtype=dt, kernel=kern), xq, xs, wq)
                 _check_w4a8_error(got, want, ffi.w4a8.auto_kernel(m) if kern == "auto" else kern,
                                   out_dtype, (m, n, k, kern))
+                yield name
+
+
+def check_w4a8_gemv():
+    """The decode GEMV ("gemv", and "auto" for 1-16 rows): 1, 3, 9 and 16 rows (one and two n8
+    activation tiles), a partial weight tile (N = 24, 4104), K stored padded (2112, 704), and
+    split-K: partials written to the scratch, counted, added by the last CTA of a tile (N = 512,
+    K = 3840: 30 splits on 132 SMs; K = 6144 with 9 rows: 48 groups in at least 3 splits)."""
+    for m, n, k in ((1, 256, 128), (3, 24, 2112), (16, 4104, 384), (9, 264, 6144),
+                    (1, 512, 3840), (16, 136, 704)):
+        x = _bf16((m, k))
+        w = jnp.asarray((RNG.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32))
+        xq, xs = ffi.quantize_activations(x)
+        wq = jax.device_put(_on_cpu(quant.quantize_mxfp4, w), jax.devices()[0])
+        want = _on_cpu(lambda a, b, c: reference.w4a8_matmul(a, b, c, out_dtype=jnp.float32),
+                       xq, xs, wq)
+        for kern in ("gemv", "auto"):
+            for out_dtype in (jnp.float32, jnp.bfloat16):
+                name = f"w4a8 {kern} {m}x{n}x{k} {jnp.dtype(out_dtype).name}"
+                print(f"...  {name}", flush=True)
+                got = bounds.call_with_poisoned_outputs(
+                    lambda a, b, c, kern=kern, dt=out_dtype: ffi.w4a8_matmul(
+                        a, b, c, out_dtype=dt, kernel=kern), xq, xs, wq)
+                _check_w4a8_error(got, want, "gemv", out_dtype, (m, n, k, kern))
                 yield name
 
 
@@ -404,7 +429,8 @@ OPS = {"quantize": check_quantize, "norm_rope": check_norm_rope,
        "d512_rotary": lambda: check_attention(512, rotary_keys_only=64),  # Hopper: *_rotary_keys
        "d256_mma": lambda: _mma_sync(256),
        "d512_mma": lambda: _mma_sync(512),
-       "w4a8": check_w4a8, "moe": check_grouped_w4a8,
+       "w4a8": lambda: itertools.chain(check_w4a8(), check_w4a8_gemv()),
+       "w4a8_gemv": check_w4a8_gemv, "moe": check_grouped_w4a8,
        "decode_attention": check_decode_attention, "prefill_1gpu": check_prefill_one_gpu,
        "prefill_cp2": check_prefill_two_gpus,
        "collectives_cp2": check_collectives_two_gpus}

@@ -1,6 +1,6 @@
-"""W4A8 GEMMs (jax_mila.ffi.w4a8_matmul, grouped_w4a8_matmul): the pure-JAX references and
-trace-time validation on CPU, and the CUDA kernels (wgmma_ws on sm_90a, mma.sync on sm_89+)
-against the references on GPU.
+"""W4A8 GEMMs (jax_mila.ffi.w4a8_matmul, grouped_w4a8_matmul): the pure-JAX references,
+trace-time validation and kernel dispatch on CPU, and the CUDA kernels (wgmma_ws on sm_90a,
+mma.sync and the decode GEMV on sm_89+) against the references on GPU.
 
 Under compute-sanitizer (detected from the injected library) only the small GPU cases run.
 """
@@ -8,7 +8,12 @@ Under compute-sanitizer (detected from the injected library) only the small GPU 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
+import re
+import subprocess
+import sys
+import textwrap
 from unittest import mock
 
 import jax
@@ -41,10 +46,10 @@ def _under_compute_sanitizer() -> bool:
         return False
 
 
-def _operands(m, n, k, seed, *, lead=None, w_scale=None):
+def _operands(m, n, k, seed, *, lead=None, w_scale=None, x_mag=3.0):
     """bf16 activations -> (x_fp8, x_scale) through quantize_activations; an MXFP4 weight."""
     kx, kw, kc = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(kx, (lead or (m,)) + (k,), jnp.float32) * 3.0
+    x = jax.random.normal(kx, (lead or (m,)) + (k,), jnp.float32) * x_mag
     w = jax.random.normal(kw, (n, k), jnp.float32) / np.sqrt(k)
     if w_scale is not None:  # per-channel magnitudes spanning many binades
         w = w * jnp.exp2(jax.random.randint(kc, (n, 1), -w_scale, w_scale + 1).astype(jnp.float32))
@@ -306,9 +311,11 @@ class W4A8ReferenceTest(parameterized.TestCase):
         self.assertEqual(w4a8_module._grouped_workspace_bytes(1000, 128), 16 + 16 * (8 + 128))
 
     def test_auto_picks_wgmma_only_on_sm90_with_sm90a_code(self):
-        # (build archs, GPUs) -> (auto_kernel(), the handlers' variant for "auto"). Variant 0
-        # lets the handler pick per 9.0 device; without sm_90a code it must be mma_sync (1).
+        # (build archs, GPUs) -> (auto_kernel(m), the handlers' variant for "auto") above the
+        # GEMV's rows. Variant 0 lets the handler pick per 9.0 device; without sm_90a code it
+        # must be mma_sync (1). Dense calls of 1-16 rows name the GEMV (4) on every build.
         big = w4a8_module.EXPAND_MIN_ROWS
+        rows = w4a8_module.GEMV_MAX_ROWS + 1
         cases = [("80-real,89-real,90a", ((9, 0),), "wgmma_ws", 0),
                  ("90a-real", ((9, 0), (9, 0)), "wgmma_ws", 0),
                  ("80-real,89-real,90a", ((8, 9),), "mma_sync", 0),
@@ -320,14 +327,212 @@ class W4A8ReferenceTest(parameterized.TestCase):
             with self.subTest(archs=archs, caps=caps), \
                  mock.patch.object(w4a8_module, "build_info", return_value={"cuda_archs": archs}), \
                  mock.patch.object(w4a8_module, "cuda_capabilities", return_value=caps):
-                self.assertEqual(w4a8_module.auto_kernel(), kernel)
+                self.assertEqual(w4a8_module.auto_kernel(rows), kernel)
                 self.assertEqual(w4a8_module.auto_kernel(big - 1), kernel)
                 self.assertEqual(w4a8_module.auto_kernel(big), kernel.replace("_ws", "_ws_e4m3"))
                 self.assertEqual(w4a8_module.auto_kernel(big, grouped=True), kernel)
-                self.assertEqual(w4a8_module._variant("auto"), variant)
-                self.assertEqual(w4a8_module._variant("mma_sync"), 1)
-                self.assertEqual(w4a8_module._variant("wgmma_ws"), 2)
-                self.assertEqual(w4a8_module._variant("wgmma_ws_e4m3"), 3)
+                for m in (1, 3, 16):
+                    self.assertEqual(w4a8_module.auto_kernel(m), "gemv")
+                    self.assertEqual(w4a8_module.auto_kernel(m, grouped=True), kernel)
+                    self.assertEqual(w4a8_module._variant("auto", m), 4)
+                    self.assertEqual(w4a8_module._variant("auto", m, grouped=True), variant)
+                self.assertEqual(w4a8_module._variant("auto", rows), variant)
+                self.assertEqual(w4a8_module._variant("mma_sync", 1), 1)
+                self.assertEqual(w4a8_module._variant("wgmma_ws", 1), 2)
+                self.assertEqual(w4a8_module._variant("wgmma_ws_e4m3", 1), 3)
+                self.assertEqual(w4a8_module._variant("gemv", 1), 4)
+
+    # The GEMV's plans as the C++ rule computes them (csrc/w4a8/w4a8_kernel.h,
+    # W4A8GemvMakePlan, compiled with g++ and printed): (N, Kp, M, SMs) -> (tiles, splits, kc,
+    # rows8) and the scratch it needs. jax_mila.ffi.w4a8._gemv_plan is its copy that sizes the
+    # scratch (the handler falls back to the fewest splits where a scratch is smaller).
+    GEMV_PLANS = [
+        ((3840, 15360, 1, 132), (30, 8, 15, 8), 983296),     # 12B down: one wave of 240 CTAs
+        ((3840, 15360, 16, 132), (30, 8, 15, 16), 1966336),
+        ((15360, 3840, 1, 132), (120, 2, 15, 8), 983552),    # 12B gate
+        ((512, 3840, 1, 132), (4, 30, 1, 8), 491776),        # 12B global k: a group a CTA
+        ((21504, 5376, 1, 132), (168, 1, 42, 8), 0),         # 31B gate: N alone fills a wave
+        ((21504, 5376, 16, 132), (168, 3, 14, 16), 4129536),  # past a wave: the cost rule
+        ((5376, 21504, 16, 132), (42, 12, 14, 16), 4129024),
+        ((5376, 21504, 1, 132), (42, 6, 28, 8), 1032448),
+        ((16384, 5376, 16, 132), (128, 2, 21, 16), 2097664),
+        ((5376, 21504, 16, 0), (42, 8, 21, 16), 2752768),    # no SM count: the fewest splits
+        ((8, 128, 1, 132), (1, 1, 1, 8), 0),
+        ((24, 768, 3, 132), (1, 6, 1, 8), 24832),
+        ((264, 2176, 16, 132), (3, 17, 1, 16), 418048),
+        ((32768, 256, 1, 132), (256, 1, 2, 8), 0),
+        ((21504, 5376, 16, 148), (168, 3, 14, 16), 4129536),
+        ((3840, 15360, 1, 148), (30, 9, 14, 8), 1106176),
+        ((2048, 5376, 9, 78), (16, 9, 5, 16), 1179904),
+    ]
+
+    def test_gemv_plan_is_the_handlers(self):
+        for (n, kp, m, sms), plan, workspace in self.GEMV_PLANS:
+            with self.subTest(n=n, kp=kp, m=m, sms=sms):
+                self.assertEqual(w4a8_module._gemv_plan(n, kp, m, sms), plan)
+                self.assertEqual(w4a8_module._gemv_workspace_bytes(n, kp, m, sms), workspace)
+
+    def test_gemv_plan_covers_k_once_and_fits(self):
+        # Every plan: splits of kc groups that cover the K groups once with none empty, kc within
+        # the shared memory of its rows, one wave where the fewest splits allow it, the fewest
+        # splits without an SM count.
+        for n, kp, m, sms in itertools.product((8, 24, 512, 3840, 21504, 40000),
+                                               (128, 768, 3840, 6144, 15360, 21504, 65536),
+                                               (1, 8, 9, 16), (0, 58, 132)):
+            tiles, splits, kc, rows8 = w4a8_module._gemv_plan(n, kp, m, sms)
+            groups, kc_max = kp // 128, (47 if m <= 8 else 23)
+            s_min = -(-groups // kc_max)
+            with self.subTest(n=n, kp=kp, m=m, sms=sms):
+                self.assertEqual((tiles, rows8), (-(-n // 128), 8 if m <= 8 else 16))
+                self.assertTrue((splits - 1) * kc < groups <= splits * kc)
+                self.assertLessEqual(kc, kc_max)
+                self.assertGreaterEqual(splits, s_min)
+                if sms == 0:
+                    self.assertEqual(splits, s_min)
+                elif tiles * s_min <= 2 * sms:
+                    self.assertLessEqual(tiles * splits, 2 * sms)
+
+    def test_gemv_workspace_sizes(self):
+        # "gemv", and "auto" up to 16 rows: the plan's split-K scratch for the process's SMs
+        # (the most of its devices), at least a 16-byte token; from 17 rows "auto" is wgmma_ws.
+        v, size = w4a8_module.KERNELS, w4a8_module._dense_workspace_bytes
+        devices = [mock.Mock(core_count=148), mock.Mock(core_count=132)]
+        slot, flags = 128 * 256 * 4, 4096
+        with mock.patch.object(w4a8_module.jax, "devices", return_value=devices), \
+             mock.patch.object(w4a8_module, "cuda_capabilities", return_value=((9, 0),)):
+            self.assertEqual(size(v["gemv"], 16, 21504, 5376), 4129536)
+            self.assertEqual(size(v["auto"], 16, 21504, 5376), 4129536)
+            self.assertEqual(size(v["gemv"], 1, 21504, 5376), 16)
+            self.assertEqual(size(v["gemv"], 1, 3840, 15360), 1106176)
+            self.assertEqual(size(v["auto"], 17, 21504, 5376), flags + 148 * slot)
+        with mock.patch.object(w4a8_module.jax, "devices", side_effect=RuntimeError("no cuda")):
+            self.assertEqual(size(v["gemv"], 1, 3840, 15360), 983296)  # 132 SMs assumed
+
+    def _traced_variant(self, x_fp8, x_scale, w, archs="80-real,89-real,90a", **kwargs):
+        """The `variant` (and scratch bytes) of the custom call that w4a8_matmul traces to with
+        the kernel built and one 9.0 GPU of 132 SMs (mocked: the trace needs no GPU)."""
+        from jax_mila.ffi import _registry
+        forced = lambda op, target=None: _registry.OpStatus(op, True, "forced by the test")  # noqa: E731
+        with mock.patch.object(_registry, "status", forced), \
+             mock.patch.object(_registry, "cuda_capabilities", return_value=((9, 0),)), \
+             mock.patch.multiple(w4a8_module, cuda_capabilities=mock.Mock(return_value=((9, 0),)),
+                                 build_info=mock.Mock(return_value={"cuda_archs": archs})), \
+             mock.patch.object(w4a8_module.jax, "devices",
+                               return_value=[mock.Mock(core_count=132)]):
+            jaxpr = str(jax.make_jaxpr(lambda *a: ffi.w4a8_matmul(*a, **kwargs))(
+                x_fp8, x_scale, w))
+        variants = re.findall(r"\('variant', np\.int64\((\d+)\)\)", jaxpr)
+        self.assertEqual(len(variants), 1, jaxpr)
+        scratch = re.findall(r"ShapedArray\(uint8\[(\d+)\]\)", jaxpr)
+        return int(variants[0]), int(scratch[0])
+
+    def test_auto_traces_to_the_gemv_for_1_to_16_rows(self):
+        # The choice by rows happens at trace time (the rows are static): 1-16 rows -> variant
+        # 4 with the plan's scratch, leading dims counted as rows; 17 -> the GEMM ("auto", which
+        # the handler resolves per device; mma_sync on a build without sm_90a code).
+        w = quant.quantize_mxfp4(jnp.ones((264, 2112), jnp.float32))
+        for lead in ((1,), (3,), (16,), (2, 8), (17,)):
+            xq = jnp.zeros(lead + (2112,), jnp.float8_e4m3fn)
+            xs = jnp.ones(lead, jnp.float32)
+            m = int(np.prod(lead))
+            with self.subTest(lead=lead):
+                variant, scratch = self._traced_variant(xq, xs, w)
+                if m <= 16:
+                    self.assertEqual(variant, w4a8_module.KERNELS["gemv"])
+                    self.assertEqual(scratch, max(16, w4a8_module._gemv_workspace_bytes(
+                        264, 2176, m, 132)))
+                else:
+                    self.assertEqual(variant, w4a8_module.KERNELS["auto"])
+                    self.assertEqual(self._traced_variant(xq, xs, w, archs="80-real,89-real")[0],
+                                     w4a8_module.KERNELS["mma_sync"])
+        xq, xs = jnp.zeros((3, 2112), jnp.float8_e4m3fn), jnp.ones((3,), jnp.float32)
+        self.assertEqual(self._traced_variant(xq, xs, w, kernel="gemv")[0], 4)
+        self.assertEqual(self._traced_variant(xq, xs, w, kernel="mma_sync")[0], 1)
+
+    def test_gemv_register_layout_emulated(self):
+        # The GEMV's per-lane arithmetic replayed in numpy on one warp tile (16 weight rows, 8
+        # activation rows, 3 groups of K): its table constants read from the kernel source,
+        # word -> fp16 high bytes (the prmt conversion of ptx.cuh), the byte permutes into
+        # fp16x2, the A/B fragment registers each lane passes to mma.sync.m16n8k16 placed where
+        # PTX's fragment layout puts them, the epilogue's 2^(channel_exp - 127). It must equal
+        # the product of the dequantized weights: a wrong table, sign, k order or fragment
+        # slot is an O(1) error. (The GPU tests run the kernel itself.)
+        src = open(os.path.join(testing.REPO, "csrc/w4a8/w4a8_gemv.cu")).read()
+        const = {name: int(re.search(rf"constexpr uint32_t {name} = (0x[0-9A-Fa-f]+)u;",
+                                     src).group(1), 16)
+                 for name in ("kLutLo", "kLutHi", "kStepLo", "kStepHi")}
+        shift = int(re.search(r"constexpr int kChannelShift = (\d+);", src).group(1))
+        perm = [int(v, 16) for v in re.findall(r"prmt\((?:lo|hi), 0u, (0x[0-9a-f]+)u\)", src)]
+        self.assertEqual(len(perm), 4)
+        mask = 0xFFFFFFFF
+
+        def prmt(a, b, sel):  # sel nibbles < 8: plain byte selection from {b, a}
+            src_bytes = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF
+                                                                   for i in range(4)]
+            return sum(src_bytes[(sel >> 4 * i) & 7] << 8 * i for i in range(4))
+
+        def halves(v):  # fp16x2 register -> (low, high) values
+            return np.array([v & 0xFFFF, v >> 16], np.uint16).view(np.float16).astype(np.float64)
+
+        def pair(a, b):
+            h = np.array([a, b], np.float16).view(np.uint16)
+            return int(h[0]) | int(h[1]) << 16
+
+        rng = np.random.default_rng(_seed())
+        n, k, rows = 16, 384, 8
+        w = rng.standard_normal((n, k)) * np.exp2(rng.integers(-20, 21, (n, 1)))
+        w[:, 32:64] *= 2.0 ** -11  # a block at the exponent floor
+        q = quant.quantize_mxfp4(jnp.asarray(w, jnp.float32))
+        packed, scales, chexp = (np.asarray(a) for a in (q.packed, q.scales, q.channel_exp))
+        x = jax.random.normal(jax.random.key(_seed()), (rows, k), jnp.float32) * 5
+        xq, xs = ffi.quantize_activations(x.astype(jnp.bfloat16))
+        x8 = np.asarray(xq.astype(jnp.float32), np.float64)
+        acc = np.zeros((n, rows))  # D[weight row, activation row]
+        for j, b in itertools.product(range(k // 128), range(4)):
+            a_mat, b_mat = np.zeros((2, 16, 16)), np.zeros((2, 16, 8))
+            for g, qq in itertools.product(range(8), range(4)):
+                h = []
+                for row in (g, g + 8):
+                    off = 64 * j + 16 * qq + 4 * b
+                    word = int.from_bytes(packed[row, off:off + 4].tobytes(), "little")
+                    e, r = int(scales[row, 4 * j + b]), int(chexp[row])
+                    lut_lo = (e * const["kStepLo"] + const["kLutLo"] - r * const["kStepLo"]) & mask
+                    lut_hi = (e * const["kStepHi"] + const["kLutHi"] - r * const["kStepHi"]) & mask
+                    mag = word & 0x77777777
+                    lo = prmt(lut_lo, lut_hi, mag & 0xFFFF) | (word & 0x80808080)
+                    hi = prmt(lut_lo, lut_hi, mag >> 16) | ((word << 4) & 0x80808080)
+                    h.append([prmt(lo, 0, perm[0]), prmt(lo, 0, perm[1]),
+                              prmt(hi, 0, perm[2]), prmt(hi, 0, perm[3])])
+                k0 = 128 * j + 32 * b
+                xv = x8[g, [k0 + 4 * qq + d for d in (0, 1, 2, 3, 16, 17, 18, 19)]]
+                xb = [pair(*xv[0:2]), pair(*xv[2:4]), pair(*xv[4:6]), pair(*xv[6:8])]
+                for t in range(2):  # the two mmas of a block: a_lo/b_lo, a_hi/b_hi
+                    a = [h[0][2 * t], h[1][2 * t], h[0][2 * t + 1], h[1][2 * t + 1]]
+                    a_mat[t, g, 2 * qq:2 * qq + 2] = halves(a[0])
+                    a_mat[t, g + 8, 2 * qq:2 * qq + 2] = halves(a[1])
+                    a_mat[t, g, 2 * qq + 8:2 * qq + 10] = halves(a[2])
+                    a_mat[t, g + 8, 2 * qq + 8:2 * qq + 10] = halves(a[3])
+                    b_mat[t, 2 * qq:2 * qq + 2, g] = halves(xb[2 * t])
+                    b_mat[t, 2 * qq + 8:2 * qq + 10, g] = halves(xb[2 * t + 1])
+            acc += a_mat[0] @ b_mat[0] + a_mat[1] @ b_mat[1]
+        got = acc.T * np.exp2(chexp.astype(np.float64) - shift) * np.asarray(xs, np.float64)[:, None]
+        self.assertLess(testing.rel_fro_err(got, _exact_product(xq, xs, q)), 1e-12)
+
+    def test_gemv_rejects_what_it_cannot_take(self):
+        xq, xs, w = _operands(17, 64, 256, 0)
+        with self.assertRaisesRegex(ValueError, r"w4a8_matmul: kernel: 'gemv' takes 1 to 16 "
+                                                r"rows, x_fp8 has 17"):
+            ffi.w4a8_matmul(xq, xs, w, kernel="gemv")
+        with self.assertRaisesRegex(ValueError, r"kernel: 'gemv' takes 1 to 16 rows, x_fp8 has "
+                                                r"18 \(shape \[3, 6, 256\]\)"):
+            ffi.w4a8_matmul(jnp.zeros((3, 6, 256), jnp.float8_e4m3fn),
+                            jnp.ones((3, 6), jnp.float32), w, kernel="gemv")
+        xg, sg, wg, gs = _grouped_operands((3, 2), 16, 128, 0)
+        with self.assertRaisesRegex(ValueError, r"grouped_w4a8_matmul: kernel: 'gemv' takes "
+                                                r"dense calls only"):
+            ffi.grouped_w4a8_matmul(xg, sg, wg, gs, kernel="gemv")
+        # Where it can: 16 rows through the wrapper (the reference without a GPU).
+        ffi.w4a8_matmul(xq[:16], xs[:16], w, kernel="gemv")
 
 
 # Relative Frobenius error bound (float32 output, against the float32 reference or the float64
@@ -336,12 +541,20 @@ class W4A8ReferenceTest(parameterized.TestCase):
 # expected ~1e-4 at any K. 4e-4 holds it with margin while an unpromoted kernel (1.6e-3 at
 # K=15360, measured on the H200) fails test_accuracy_k15360; the e4m3 instance adds the same
 # products in the same order.
-F32_TOL = {"mma_sync": 2e-6, **{kernel: 4e-4 for kernel in HOPPER_KERNELS}}
-K15360_TOL = {"mma_sync": 1e-5, **{kernel: 4e-4 for kernel in HOPPER_KERNELS}}
+# gemv: fp16 mma.sync with float32 accumulation of exact products, split-K partials added in
+# float32: as mma_sync.
+F32_TOL = {"mma_sync": 2e-6, "gemv": 2e-6, **{kernel: 4e-4 for kernel in HOPPER_KERNELS}}
+K15360_TOL = {"mma_sync": 1e-5, "gemv": 1e-5, **{kernel: 4e-4 for kernel in HOPPER_KERNELS}}
 
 
-def _resolve(kernel: str, m: int = 1, *, grouped: bool = False) -> str:
-    return w4a8_module.auto_kernel(m, grouped=grouped) if kernel == "auto" else kernel
+def _resolve(kernel: str, m: int | None, *, grouped: bool = False) -> str:
+    """The kernel that `kernel` runs for m rows ("auto": m must be given, but for grouped
+    calls, which never take the GEMV)."""
+    if kernel != "auto":
+        return kernel
+    if m is None and not grouped:
+        raise ValueError("kernel='auto' resolves by the rows: pass m")
+    return w4a8_module.auto_kernel(m or 1, grouped=grouped)
 
 
 class _KernelTestBase(parameterized.TestCase):
@@ -351,7 +564,7 @@ class _KernelTestBase(parameterized.TestCase):
         if testing.compute_capability() < (8, 9):
             self.skipTest("FP8 mma needs compute capability >= 8.9")
 
-    def _require(self, kernel, m=1, *, grouped=False):
+    def _require(self, kernel, m=None, *, grouped=False):
         if kernel in HOPPER_KERNELS and testing.compute_capability() != (9, 0):
             self.skipTest(f"{kernel} needs compute capability 9.0 (sm_90a)")
         return _resolve(kernel, m, grouped=grouped)
@@ -367,7 +580,8 @@ class _KernelTestBase(parameterized.TestCase):
             # plus, for wgmma, its FP8 accumulation error (~1e-4 of the RMS, Gaussian-like:
             # 2e-3 of the RMS is far in the tail; an indexing bug is O(1))
             rms = float(np.sqrt(np.mean(w32.astype(np.float64) ** 2)))
-            atol = 1e-6 * float(np.abs(w32).max()) if resolved == "mma_sync" else 2e-3 * rms
+            atol = (1e-6 * float(np.abs(w32).max()) if resolved in ("mma_sync", "gemv")
+                    else 2e-3 * rms)
             np.testing.assert_allclose(np.asarray(got, np.float32), w32, rtol=8e-3, atol=atol,
                                        err_msg=what)
 
@@ -409,7 +623,7 @@ class W4A8KernelTest(_KernelTestBase):
     def test_exact_on_blocks_at_the_exponent_floor(self, kernel):
         # Every block 0..11 exponents below the channel's, every code: exactness of the e4m3
         # conversion (a wrong exponent or sign shows as a large error, not a rounding one).
-        resolved = self._require(kernel)
+        resolved = self._require(kernel, 96)
         rng = np.random.default_rng(_seed())
         n, k, m = 64, 512, 96
         codes = rng.integers(0, 16, (n, k))
@@ -448,7 +662,7 @@ class W4A8KernelTest(_KernelTestBase):
         # The stated accuracy: relative Frobenius error against the float64 product of the
         # dequantized operands, at Gemma 4 12B's down_proj K. For wgmma this is the test that
         # needs the fp32 promotion: without it the FP8 accumulation error grows with K (1.6e-3).
-        resolved = self._require(kernel)
+        resolved = self._require(kernel, 512)
         if _under_compute_sanitizer():
             self.skipTest("large case: skipped under compute-sanitizer")
         seed = _seed()
@@ -651,6 +865,181 @@ class GroupedW4A8KernelTest(_KernelTestBase):
             want = reference.grouped_w4a8_matmul(xq, xs, w, gs)
             self.assertLess(testing.rel_fro_err(got, want), 4e-3, sizes)
         self.assertEqual(fn._cache_size(), 1)
+
+
+class W4A8GemvTest(_KernelTestBase):
+    """GPU: the decode GEMV (kernel="gemv", and "auto" for 1-16 rows) against the float64
+    product of the dequantized operands on the host (a path independent of the kernel and of
+    the JAX reference): fresh random inputs, poisoned outputs, M from 1 to 16, N of a partial
+    tile (8, 24, 136, 4104), K not a multiple of 128, large magnitudes, split-K on and off,
+    bitwise repeatability."""
+
+    def _plan(self, m, n, k):
+        return w4a8_module._gemv_plan(n, quant.padded_k(k), m, w4a8_module._sms())
+
+    def _check(self, m, n, k, *, kernel="gemv", w_scale=None, x_mag=3.0, seed=None):
+        self.assertEqual(self._require(kernel, m), "gemv")
+        seed = _seed() if seed is None else seed
+        xq, xs, w = _operands(m, n, k, seed, w_scale=w_scale, x_mag=x_mag)
+        want = _exact_product(xq, xs, w)
+        tol = (K15360_TOL if k >= 8192 else F32_TOL)["gemv"]
+        outs = {}
+        for out_dtype in (jnp.float32, jnp.bfloat16):
+            fn = functools.partial(ffi.w4a8_matmul, out_dtype=out_dtype, kernel=kernel)
+            got = testing.call_with_poisoned_outputs(fn, xq, xs, w)
+            self.assertEqual(got.dtype, out_dtype)
+            self.assertEqual(got.shape, (m, n))
+            self._assert_close(got, want, "gemv", tol,
+                               f"m={m} n={n} k={k} {kernel} {jnp.dtype(out_dtype).name} "
+                               f"plan={self._plan(m, n, k)} seed={seed}")
+            outs[out_dtype] = got
+        return xq, xs, w, outs
+
+    @parameterized.product(m=[1, 3, 8, 9, 16],
+                           nk=[(8, 128), (24, 2112), (136, 704), (264, 96), (520, 1024),
+                               (4104, 384)])
+    def test_shapes(self, m, nk):
+        # K = 2112, 704, 96: stored padded to 2176, 768, 128 (zeros past K, read as zeros);
+        # N = 4104: 32 whole tiles of 128 and one of 8 (7 idle warps, masked rows).
+        self._check(m, *nk)
+
+    @parameterized.parameters(1, 16)
+    def test_split_k_on_and_off(self, m):
+        # N = 32768 fills a wave without splitting K (256 tiles on up to 2 x 128 slots: on 128
+        # SMs or more, or one split past a wave on fewer); N = 264 and 12B's down split it.
+        cases = [((32768, 256), False), ((264, 2112), True), ((3840, 15360), True)]
+        if _under_compute_sanitizer():
+            cases = cases[1:2]
+        for (n, k), split in cases:
+            _, splits, _, _ = self._plan(m, n, k)
+            self.assertEqual(splits > 1, split, (n, k, splits))
+            self._check(m, n, k)
+
+    def test_bitwise_repeatable(self):
+        # Split-K partials are added by whichever CTA of a tile arrives last, in split order:
+        # the same bits every run.
+        shapes = [(16, 264, 2112), (1, 512, 3840)]
+        if not _under_compute_sanitizer():
+            shapes += [(1, 3840, 15360), (16, 5376, 21504)]
+        seed = _seed()
+        for m, n, k in shapes:
+            xq, xs, w = _operands(m, n, k, seed + m + n)
+            self.assertGreater(self._plan(m, n, k)[1], 1)
+            for dtype in (jnp.float32, jnp.bfloat16):
+                fn = functools.partial(ffi.w4a8_matmul, out_dtype=dtype, kernel="gemv")
+                first = np.asarray(testing.call_with_poisoned_outputs(fn, xq, xs, w), np.float32)
+                for _ in range(2):
+                    again = np.asarray(jax.jit(fn)(xq, xs, w), np.float32)
+                    np.testing.assert_array_equal(again, first, err_msg=f"m={m} n={n} k={k}")
+
+    def test_large_magnitudes(self):
+        # Channel scales over 81 binades and activations of 1e4 (x_scale ~ 80): the fp16
+        # operands stay exact (the scales are applied in float32 after the sums).
+        for m in (1, 16):
+            self._check(m, 520, 2112, w_scale=40, x_mag=1e4)
+
+    def test_exact_on_blocks_at_the_exponent_floor(self):
+        # Every block 0..11 exponents below its channel's, every code: the fp16 table's shift
+        # by the block offset (4 d in the high byte) must stay exact down to d = -11.
+        rng = np.random.default_rng(_seed())
+        n, k, m = 136, 512, 16
+        codes = rng.integers(0, 16, (n, k))
+        drop = rng.integers(0, 12, (n, k // 32))
+        drop[:, 0] = 0
+        w = quant.E2M1_VALUES[codes] * np.exp2(-np.repeat(drop, 32, axis=1))
+        w[:, 0] = 6.0
+        q = quant.quantize_mxfp4(jnp.asarray(w, jnp.float32))
+        np.testing.assert_array_equal(np.asarray(quant.dequantize_mxfp4(q)), w.astype(np.float32))
+        x = jax.random.normal(jax.random.key(_seed()), (m, k), jnp.float32).astype(jnp.bfloat16)
+        xq, xs = ffi.quantize_activations(x)
+        got = ffi.w4a8_matmul(xq, xs, q, out_dtype=jnp.float32, kernel="gemv")
+        self.assertLess(testing.rel_fro_err(got, _exact_product(xq, xs, q)), F32_TOL["gemv"])
+
+    def test_zero_rows_and_zero_channels(self):
+        x = jnp.zeros((16, 256), jnp.bfloat16).at[1:].set(1.0)
+        xq, xs = ffi.quantize_activations(x)
+        wz = quant.quantize_mxfp4(jnp.zeros((136, 256)).at[1:].set(0.5))
+        y = np.asarray(ffi.w4a8_matmul(xq, xs, wz, out_dtype=jnp.float32, kernel="gemv"))
+        np.testing.assert_array_equal(y[0], 0.0)
+        np.testing.assert_array_equal(y[:, 0], 0.0)
+        np.testing.assert_allclose(y[1:, 1:], 128.0, rtol=1e-6)
+
+    def test_auto_runs_the_gemv_for_decode_rows(self):
+        # "auto" from 1 to 16 rows is the GEMV (the same plan: the same bits), with leading
+        # dimensions counted as rows.
+        seed = _seed()
+        for lead in ((1,), (7,), (16,), (2, 8)):
+            xq, xs, w = _operands(None, 520, 2112, seed, lead=lead)
+            m = int(np.prod(lead))
+            self.assertEqual(w4a8_module.auto_kernel(m), "gemv")
+            auto = np.asarray(jax.jit(ffi.w4a8_matmul)(xq, xs, w), np.float32)
+            gemv = np.asarray(ffi.w4a8_matmul(xq.reshape(m, -1), xs.reshape(m), w,
+                                              kernel="gemv"), np.float32)
+            self.assertEqual(auto.shape, lead + (520,))
+            np.testing.assert_array_equal(auto.reshape(m, 520), gemv)
+            self.assertLess(testing.rel_fro_err(auto.reshape(m, 520), _exact_product(
+                xq.reshape(m, -1), xs.reshape(m), w)), 4e-3)  # bf16 output
+
+    def test_inside_cuda_graph(self):
+        """In a child process with XLA command buffers (CUDA graphs) forced on for custom calls:
+        the split-K memset and launch captured once and replayed with new activations (the
+        counters must be zeroed again by each replay, or the second call's sums go wrong)."""
+        script = textwrap.dedent("""
+            import sys
+            sys.path.insert(0, %r)
+            import jax, jax.numpy as jnp, numpy as np
+            from jax_mila import ffi
+            from test_w4a8 import _operands, _exact_product
+            import testing
+            from jax_mila.ffi import w4a8
+            _, _, w = _operands(1, 264, 2112, 5)
+            assert w4a8._gemv_plan(264, 2176, 3, w4a8._sms())[1] > 1
+            f = jax.jit(lambda x, s, w: ffi.w4a8_matmul(x, s * 1.0, w, out_dtype=jnp.float32,
+                                                        kernel="gemv"))
+            for seed in range(4):
+                xq, xs, _ = _operands(3, 8, 2112, 100 + seed)
+                err = testing.rel_fro_err(f(xq, xs, w), _exact_product(xq, xs, w))
+                assert err < 2e-6, (seed, err)
+            print("CHILD OK")
+        """ % os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                            " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
+                            " --xla_gpu_graph_min_graph_size=1")
+        res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, timeout=300)
+        self.assertIn("CHILD OK", res.stdout, res.stderr[-3000:])
+
+    def test_handler_refuses_what_the_wrapper_would(self):
+        # The custom call past every Python check: INVALID_ARGUMENT, no launch.
+        xq, xs, w = _operands(17, 136, 6144, _seed())
+        v = w4a8_module.KERNELS["gemv"]
+
+        def dense(x, s, workspace):
+            out = jax.ShapeDtypeStruct((x.shape[0], 136), jnp.float32)
+            call = jax.ffi.ffi_call("jax_mila_w4a8_matmul",
+                                    (out, jax.ShapeDtypeStruct((workspace,), jnp.uint8)))
+            return call(x, s, w.packed, w.scales, w.channel_exp, variant=np.int64(v))
+
+        with self.assertRaisesRegex(Exception, r"variant=4: the GEMV takes 1 to 16 rows, x_fp8 "
+                                               r"has M=17"):
+            jax.block_until_ready(dense(xq, xs, 1 << 22))
+        # 48 groups of K: two splits at least (47 fit a CTA), so the scratch must hold them.
+        need = w4a8_module._gemv_workspace_bytes(136, 6144, 1, 0)
+        self.assertGreater(need, 16)
+        with self.assertRaisesRegex(Exception, r"workspace: 16 bytes; variant 4 needs at least "
+                                               f"{need}"):
+            jax.block_until_ready(dense(xq[:1], xs[:1], 16))
+        got = dense(xq[:1], xs[:1], need)[0]  # the fewest splits, where that is all there is
+        self.assertLess(testing.rel_fro_err(got, _exact_product(xq[:1], xs[:1], w)),
+                        F32_TOL["gemv"])
+        xg, sg, wg, gs = _grouped_operands((3, 2), 136, 256, _seed())
+        call = jax.ffi.ffi_call("jax_mila_grouped_w4a8_matmul",
+                                (jax.ShapeDtypeStruct((5, 136), jnp.float32),
+                                 jax.ShapeDtypeStruct((1 << 16,), jnp.uint8)))
+        with self.assertRaisesRegex(Exception, r"variant=4: the GEMV takes dense calls only"):
+            jax.block_until_ready(call(xg, sg, wg.packed, wg.scales, wg.channel_exp, gs,
+                                       variant=np.int64(v)))
 
 
 class W4A8BuildWithoutSm90aTest(absltest.TestCase):

@@ -227,16 +227,22 @@ constexpr bool kBuildHasSm90a = false;
 
 }  // namespace
 
-// Hopper runs FP8 mma.sync at the fp16 rate; its native FP8 path is wgmma (docs/design/w4a8.md).
-// Dense calls of kW4A8ExpandMinRows rows or more run on weights expanded to e4m3 once per call.
+// Dense calls of up to kW4A8GemvMaxRows rows (decode) read memory, not the tensor cores: the
+// GEMV. Hopper runs FP8 mma.sync at the fp16 rate; its native FP8 path is wgmma
+// (docs/design/w4a8.md). Dense calls of kW4A8ExpandMinRows rows or more run on weights expanded
+// to e4m3 once per call.
 W4A8Variant ResolveW4A8Variant(W4A8Variant variant, const W4A8Args& args, int cc) {
   if (variant != W4A8Variant::kAuto) return variant;
+  if (args.group_sizes == nullptr && args.m <= kW4A8GemvMaxRows) return W4A8Variant::kGemv;
   if (cc != 90 || !kBuildHasSm90a) return W4A8Variant::kMmaSync;
   return args.group_sizes == nullptr && args.m >= kW4A8ExpandMinRows ? W4A8Variant::kWgmmaWsE4m3
                                                                      : W4A8Variant::kWgmmaWs;
 }
 
 int64_t W4A8RequiredWorkspace(W4A8Variant variant, const W4A8Args& args) {
+  if (variant == W4A8Variant::kGemv) {  // the fewest splits; more where the workspace has room
+    return W4A8GemvWorkspaceBytes(W4A8GemvMakePlan(args.n, args.kp, args.m, 0));
+  }
   if (args.group_sizes != nullptr) {
     const int rows = variant == W4A8Variant::kMmaSync ? mma::kBM : kW4A8WsGroupRows;
     return W4A8GroupListBytes(args.m, args.experts, rows);
@@ -246,6 +252,7 @@ int64_t W4A8RequiredWorkspace(W4A8Variant variant, const W4A8Args& args) {
 
 const char* W4A8CodeProblem(W4A8Variant variant, int cc, int* compiled_for) {
   *compiled_for = 0;
+  if (variant == W4A8Variant::kGemv) return W4A8GemvCodeProblem(compiled_for);
   if (variant != W4A8Variant::kMmaSync) {  // the device's 9.0 is the handler's own check
     return kBuildHasSm90a ? nullptr : "the wgmma kernels need sm_90a code, which this build lacks";
   }
@@ -278,6 +285,7 @@ cudaError_t LaunchW4A8Matmul(const W4A8Args& args, W4A8Variant variant, int cc,
                              cudaStream_t stream) {
   if (cc < kW4A8MinComputeCapability) return cudaErrorNoKernelImageForDevice;
   variant = ResolveW4A8Variant(variant, args, cc);
+  if (variant == W4A8Variant::kGemv) return LaunchW4A8Gemv(args, stream);
   if (variant != W4A8Variant::kMmaSync) {
     if (cc != 90) return cudaErrorNoKernelImageForDevice;
     return LaunchW4A8WgmmaWs(args, variant == W4A8Variant::kWgmmaWsE4m3, stream);

@@ -115,7 +115,8 @@ ffi::Error Run(const char* op, cudaStream_t stream, W4A8Args& args, int64_t vari
   if (variant < 0 || variant > kW4A8LastVariant) {
     return InvalidArgument(op, "variant=", variant,
                            " (0 auto, 1 mma.sync, 2 warp-specialized wgmma, 3 the same on "
-                           "weights expanded to e4m3)");
+                           "weights expanded to e4m3, 4 the GEMV of 1 to ", kW4A8GemvMaxRows,
+                           " rows)");
   }
   const int cc = CurrentComputeCapability();
   if (cc < kW4A8MinComputeCapability) {
@@ -123,7 +124,18 @@ ffi::Error Run(const char* op, cudaStream_t stream, W4A8Args& args, int64_t vari
                          cc / 10, ".", cc % 10, "; jax_mila routes such devices to the reference");
   }
   const W4A8Variant resolved = ResolveW4A8Variant(static_cast<W4A8Variant>(variant), args, cc);
-  if (resolved != W4A8Variant::kMmaSync && cc != 90) {
+  if (resolved == W4A8Variant::kGemv) {
+    if (args.group_sizes != nullptr) {
+      return InvalidArgument(op, "variant=", variant, ": the GEMV takes dense calls only");
+    }
+    if (args.m > kW4A8GemvMaxRows) {
+      return InvalidArgument(op, "variant=", variant, ": the GEMV takes 1 to ", kW4A8GemvMaxRows,
+                             " rows, x_fp8 has M=", args.m);
+    }
+  }
+  const bool wgmma =
+      resolved == W4A8Variant::kWgmmaWs || resolved == W4A8Variant::kWgmmaWsE4m3;
+  if (wgmma && cc != 90) {
     return Unimplemented(op, "the wgmma kernel needs compute capability 9.0, this device is ",
                          cc / 10, ".", cc % 10);
   }

@@ -13,6 +13,10 @@
 //     (w4a8_groups.cu).
 //   mma.sync (sm_89+, w4a8.cu): m16n8k32 FP8 mma, dense and grouped. Native on sm_89; on sm_90
 //     ptxas lowers FP8 mma.sync to fp16 HMMA, so Hopper uses wgmma_ws.
+//   gemv (w4a8_gemv.cu): decode, 1 to kW4A8GemvMaxRows rows, dense. Streams the MXFP4 codes
+//     and exponents straight from memory (no e4m3 expansion), dequantizes them in registers to
+//     fp16 and multiplies on fp16 mma.sync (the weights are the m16 operand, the few activation
+//     rows n8), K split across CTAs where N alone cannot fill the GPU (W4A8GemvPlan).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -67,17 +71,19 @@ struct W4A8Args {
   int kp = 0;  // the weights' stored K, a multiple of kW4A8KMultiple
 };
 
-// Which kernel runs. kAuto: wgmma_ws on compute capability 9.0 when the build has sm_90a code
-// (dense: on expanded weights from kW4A8ExpandMinRows rows up), mma.sync otherwise. The others
-// name one kernel (tests and benchmarks): kWgmmaWs converts the weights in registers, kWgmmaWsE4m3
-// expands them first (dense only).
+// Which kernel runs. kAuto: the GEMV for dense calls of at most kW4A8GemvMaxRows rows; else
+// wgmma_ws on compute capability 9.0 when the build has sm_90a code (dense: on expanded weights
+// from kW4A8ExpandMinRows rows up), mma.sync otherwise. The others name one kernel (tests and
+// benchmarks): kWgmmaWs converts the weights in registers, kWgmmaWsE4m3 expands them first
+// (dense only), kGemv takes dense calls of 1 to kW4A8GemvMaxRows rows.
 enum class W4A8Variant : int {
   kAuto = 0,
   kMmaSync = 1,
   kWgmmaWs = 2,
   kWgmmaWsE4m3 = 3,
+  kGemv = 4,
 };
-constexpr int64_t kW4A8LastVariant = static_cast<int64_t>(W4A8Variant::kWgmmaWsE4m3);
+constexpr int64_t kW4A8LastVariant = static_cast<int64_t>(W4A8Variant::kGemv);
 
 // What kAuto runs for `args` on a device of compute capability `cc` (10 * major + minor); any
 // other variant as it is.
@@ -107,6 +113,86 @@ const char* W4A8CodeProblem(W4A8Variant variant, int cc, int* compiled_for);
 // workspace has slots, e4m3 = on expanded weights (needs W4A8ExpandBytes). Grouped: one CTA per
 // unit on the tile list that LaunchW4A8GroupTiles wrote into the workspace.
 cudaError_t LaunchW4A8WgmmaWs(const W4A8Args& args, bool e4m3, cudaStream_t stream);
+
+// ---- the GEMV (w4a8_gemv.cu) -----------------------------------------------------------------
+
+// Rows the GEMV takes (its activation rows are one or two n8 operands of m16n8k16).
+constexpr int64_t kW4A8GemvMaxRows = 16;
+// A CTA computes kW4A8GemvCtaRows output columns (weight rows) over kc groups of 128 of K, with
+// the activations of those groups in shared memory as fp16 (rows padded to 8 or 16, each row
+// padded by 64 bytes): kc <= 47 for 1-8 rows, 23 for 9-16 (at most 96 KiB). Two CTAs an SM.
+constexpr int kW4A8GemvCtaRows = 128;
+constexpr int kW4A8GemvCtasPerSm = 2;
+constexpr int kW4A8GemvMaxKcSmall = 47;  // rows <= 8
+constexpr int kW4A8GemvMaxKcLarge = 23;  // rows 9..16
+// How many splits the plan may consider past the fewest (a bound on the host's search).
+constexpr int kW4A8GemvSplitSearch = 64;
+// A CTA's fixed cost in the plan, in groups of its stream: its first loads' latency, the
+// activations' staging, the partial's write and the last arrival's sum.
+constexpr int kW4A8GemvCtaOverhead = 2;
+
+// The launch of one GEMV: tiles of kW4A8GemvCtaRows output columns, K split into `splits`
+// ranges of `kc` groups (the last may be shorter). Split-K partials: per (tile, split) one
+// float32 [rows8][kW4A8GemvCtaRows] slot in the workspace after one arrival counter per tile.
+struct W4A8GemvPlan {
+  int64_t tiles = 0;
+  int splits = 1;
+  int kc = 0;
+  int rows8 = 8;  // activation rows padded: 8 or 16
+};
+
+inline int64_t W4A8CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The split rule (jax_mila/ffi/w4a8.py, _gemv_plan, is the same function). Splits that share
+// their K ranges with fewer splits (ceil(groups / ceil(groups / s)) < s) are never chosen.
+//  * At least s_min splits: a CTA's K range must fit its shared memory (kc <= kc_max).
+//  * One wave where it can: the most splits whose CTAs all fit on the GPU at once
+//    (kW4A8GemvCtasPerSm x SMs slots); N alone fills it from 256 tiles (N = 32768) on.
+//  * Else (s_min splits already exceed a wave) the splits that minimize the longest stream,
+//    ceil(CTAs / slots) waves x (kc + kW4A8GemvCtaOverhead) groups, ties to fewer splits.
+// `sms` <= 0: s_min (the least workspace).
+inline W4A8GemvPlan W4A8GemvMakePlan(int n, int kp, int64_t m, int sms) {
+  W4A8GemvPlan p;
+  p.tiles = W4A8CeilDiv(n, kW4A8GemvCtaRows);
+  p.rows8 = m <= 8 ? 8 : 16;
+  const int64_t groups = kp / kW4A8KMultiple;
+  const int64_t kc_max = m <= 8 ? kW4A8GemvMaxKcSmall : kW4A8GemvMaxKcLarge;
+  const int64_t s_min = W4A8CeilDiv(groups, kc_max);
+  int64_t s = s_min;
+  if (sms > 0) {
+    const int64_t slots = static_cast<int64_t>(kW4A8GemvCtasPerSm) * sms;
+    if (p.tiles * s_min <= slots) {
+      const int64_t fill = slots / p.tiles;
+      s = fill < groups ? fill : groups;
+    } else {
+      int64_t best_cost = -1;
+      const int64_t s_end = groups < s_min + kW4A8GemvSplitSearch ? groups
+                                                                   : s_min + kW4A8GemvSplitSearch;
+      for (int64_t c = s_min; c <= s_end; ++c) {
+        const int64_t kc = W4A8CeilDiv(groups, c);
+        if (W4A8CeilDiv(groups, kc) != c) continue;
+        const int64_t cost = W4A8CeilDiv(p.tiles * c, slots) * (kc + kW4A8GemvCtaOverhead);
+        if (best_cost < 0 || cost < best_cost) best_cost = cost, s = c;
+      }
+    }
+  }
+  p.kc = static_cast<int>(W4A8CeilDiv(groups, s));
+  p.splits = static_cast<int>(W4A8CeilDiv(groups, p.kc));
+  return p;
+}
+
+// Scratch of a plan: nothing without split-K; else the counters (256-byte aligned) and slots.
+inline int64_t W4A8GemvWorkspaceBytes(const W4A8GemvPlan& p) {
+  if (p.splits <= 1) return 0;
+  return W4A8CeilDiv(4 * p.tiles, 256) * 256 +
+         p.tiles * p.splits * p.rows8 * kW4A8GemvCtaRows * 4;
+}
+
+// The GEMV on `args` (dense, 1 <= m <= kW4A8GemvMaxRows): the plan for this device's SMs where
+// the workspace holds it, else the fewest splits (which W4A8RequiredWorkspace demands).
+cudaError_t LaunchW4A8Gemv(const W4A8Args& args, cudaStream_t stream);
+// Why this build cannot run the GEMV on the current device, or nullptr (as W4A8CodeProblem).
+const char* W4A8GemvCodeProblem(int* compiled_for);
 
 // The least workspace the e4m3 instance takes: the expanded weights and their alignment.
 inline int64_t W4A8ExpandBytes(int n, int kp) {

@@ -18,9 +18,13 @@ Supported sizes: K % 32 == 0 (whole MXFP4 blocks) with Kp = K rounded up to a mu
 (jax_mila.quant.padded_k: the weight stores zeros past K), N % 8 == 0, M < 2^31, E <= 1024;
 others raise ValueError at trace time (the C++ handlers check again).
 
-Kernels (``kernel=``): "auto" (default) runs "wgmma_ws" on compute capability 9.0 when the build
-has sm_90a code, dense calls of EXPAND_MIN_ROWS rows or more on "wgmma_ws_e4m3", "mma_sync"
-elsewhere; ``auto_kernel(m)`` says which. "wgmma_ws": warp-specialized FP8 wgmma, the weights
+Kernels (``kernel=``): "auto" (default) runs "gemv" for dense calls of at most GEMV_MAX_ROWS
+(16) rows; otherwise "wgmma_ws" on compute capability 9.0 when the build has sm_90a code, dense
+calls of EXPAND_MIN_ROWS rows or more on "wgmma_ws_e4m3", "mma_sync" elsewhere;
+``auto_kernel(m)`` says which. "gemv" (dense, 1-16 rows: decode): streams the MXFP4 codes and
+exponents straight from memory, dequantizes them to fp16 in registers and multiplies on fp16
+mma.sync with float32 accumulation, K split across CTAs where N is small (partials added in a
+fixed order: the same bits every run). "wgmma_ws": warp-specialized FP8 wgmma, the weights
 converted to e4m3 in registers, persistent (dense: 2-CTA clusters sharing each activation tile,
 stream-K for the last wave; grouped: a tile list built on the device). "wgmma_ws_e4m3" (dense
 only): the same on weights expanded to e4m3 [N, Kp] in the call's scratch first (N x Kp bytes
@@ -31,13 +35,15 @@ kernels sum every 256 of K in a fresh wgmma accumulator and add it into float32 
 < 1e-5 for mma_sync's float32 accumulation (tests/test_w4a8.py). Kernels and measurements:
 docs/design/w4a8.md, docs/performance.md.
 
-Where it runs: the CUDA kernels need FP8 mma (compute capability >= 8.9). Elsewhere (sm_80, CPU,
-kernel not built, JAX_MILA_DISABLE) the wrappers run the pure-JAX reference
+Where it runs: the CUDA kernels need FP8 mma (compute capability >= 8.9; "gemv" needs only
+sm_80's fp16 mma but runs where the others do until an sm_80 GPU has validated it). Elsewhere
+(sm_80, CPU, kernel not built, JAX_MILA_DISABLE) the wrappers run the pure-JAX reference
 (jax_mila.reference.w4a8), logged once. A wgmma kernel named explicitly raises ValueError at
 trace time where it cannot run.
 
-Numerics: every weight code becomes an exact e4m3 value (jax_mila/quant/mxfp4.py), products
-accumulate in float32, and x_scale[m] * 2**(channel_exp[n] - 133) is applied once in the
+Numerics: every weight code becomes an exact e4m3 value (jax_mila/quant/mxfp4.py; "gemv": an
+exact fp16 value, the activations too), products accumulate in float32, and the row and channel
+scales (x_scale[m] * 2**(channel_exp[n] - 133), "gemv": - 127) are applied once in the
 epilogue, so the kernels equal the float32 product of the dequantized operands up to float32
 summation order (and the wgmma promotion above).
 """
@@ -63,8 +69,17 @@ MAX_EXPERTS = 1024
 MAX_ROWS = 2**31 - 257  # TMA row coordinates are int32
 MIN_COMPUTE_CAPABILITY = (8, 9)  # FP8 mma.sync
 OUT_DTYPES = (jnp.bfloat16, jnp.float32)
-KERNELS = {"auto": 0, "mma_sync": 1, "wgmma_ws": 2, "wgmma_ws_e4m3": 3}  # the handlers' `variant`
+KERNELS = {"auto": 0, "mma_sync": 1, "wgmma_ws": 2, "wgmma_ws_e4m3": 3,
+           "gemv": 4}  # the handlers' `variant`
 _WGMMA_KERNELS = ("wgmma_ws", "wgmma_ws_e4m3")
+# The GEMV (csrc/w4a8/w4a8_kernel.h, kW4A8Gemv*): dense calls of at most this many rows, which
+# "auto" sends to it. Its split-K plan, _gemv_plan, sizes the scratch.
+GEMV_MAX_ROWS = 16
+_GEMV_CTA_ROWS = 128
+_GEMV_CTAS_PER_SM = 2
+_GEMV_MAX_KC = {8: 47, 16: 23}  # groups of 128 of K a CTA's shared memory holds, by rows8
+_GEMV_SPLIT_SEARCH = 64
+_GEMV_CTA_OVERHEAD = 2
 # Dense calls of this many rows or more run on expanded weights under "auto" on Hopper
 # (csrc/w4a8/w4a8_kernel.h, kW4A8ExpandMinRows): the scratch then holds them.
 EXPAND_MIN_ROWS = 4096
@@ -91,9 +106,11 @@ def _hopper_process() -> bool:
     return bool(caps) and all(c == (9, 0) for c in caps)
 
 
-def auto_kernel(m: int = 1, *, grouped: bool = False) -> str:
+def auto_kernel(m: int, *, grouped: bool = False) -> str:
     """The kernel that kernel="auto" runs in this process for m activation rows (with several
     GPU kinds the handler picks per device)."""
+    if not grouped and m <= GEMV_MAX_ROWS:
+        return "gemv"
     if not (_hopper_process() and _wgmma_built()):
         return "mma_sync"
     return "wgmma_ws_e4m3" if not grouped and m >= EXPAND_MIN_ROWS else "wgmma_ws"
@@ -104,8 +121,8 @@ def _check_kernel_runs(op: str, kernel: str, *, grouped: bool) -> None:
     or with the kernel not built, every call runs the reference and ``kernel`` is not used.)"""
     if kernel not in KERNELS:
         _checks.fail(op, "kernel", f"{kernel!r} is not one of {sorted(KERNELS)}")
-    if grouped and kernel == "wgmma_ws_e4m3":
-        _checks.fail(op, "kernel", "'wgmma_ws_e4m3' takes dense calls only (supported here: "
+    if grouped and kernel in ("wgmma_ws_e4m3", "gemv"):
+        _checks.fail(op, "kernel", f"{kernel!r} takes dense calls only (supported here: "
                                    "'auto', 'wgmma_ws', 'mma_sync')")
     caps = cuda_capabilities()
     if kernel not in _WGMMA_KERNELS or not caps or not status(op).kernel:
@@ -120,9 +137,13 @@ def _check_kernel_runs(op: str, kernel: str, *, grouped: bool) -> None:
                                    "or 'mma_sync')")
 
 
-def _variant(kernel: str) -> int:
-    # "auto" reaches the handler as "auto" only when the build has the sm_90a code: without it a
-    # 9.0 device would run a PTX-JIT kernel that traps.
+def _variant(kernel: str, m: int, *, grouped: bool = False) -> int:
+    """The handlers' `variant` for `kernel` on m rows. "auto" names the GEMV itself for dense
+    calls of up to GEMV_MAX_ROWS rows (so that the scratch is sized for its plan), and reaches
+    the handler as "auto" only when the build has the sm_90a code: without it a 9.0 device
+    would run a PTX-JIT kernel that traps."""
+    if kernel == "auto" and not grouped and m <= GEMV_MAX_ROWS:
+        return KERNELS["gemv"]
     if kernel == "auto" and not _wgmma_built():
         return KERNELS["mma_sync"]
     return KERNELS[kernel]
@@ -172,9 +193,50 @@ def _sms() -> int:
         return 0
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _gemv_plan(n: int, kp: int, m: int, sms: int) -> tuple[int, int, int, int]:
+    """(tiles, splits, kc, rows8) of the GEMV: the split rule of csrc/w4a8/w4a8_kernel.h
+    (W4A8GemvMakePlan, which documents it), the same function. sms <= 0: the fewest splits."""
+    tiles = _ceil_div(n, _GEMV_CTA_ROWS)
+    rows8 = 8 if m <= 8 else 16
+    groups = kp // GROUP
+    s_min = _ceil_div(groups, _GEMV_MAX_KC[rows8])
+    s = s_min
+    if sms > 0:
+        slots = _GEMV_CTAS_PER_SM * sms
+        if tiles * s_min <= slots:
+            s = min(slots // tiles, groups)
+        else:
+            best = None
+            for c in range(s_min, min(groups, s_min + _GEMV_SPLIT_SEARCH) + 1):
+                kc = _ceil_div(groups, c)
+                if _ceil_div(groups, kc) != c:
+                    continue
+                cost = _ceil_div(tiles * c, slots) * (kc + _GEMV_CTA_OVERHEAD)
+                if best is None or cost < best:
+                    best, s = cost, c
+    kc = _ceil_div(groups, s)
+    return tiles, _ceil_div(groups, kc), kc, rows8
+
+
+def _gemv_workspace_bytes(n: int, kp: int, m: int, sms: int) -> int:
+    """The GEMV's split-K scratch (W4A8GemvWorkspaceBytes): a 4-byte arrival counter per tile,
+    256-byte aligned, then one float32 [rows8, 128] partial per (tile, split); 0 unsplit."""
+    tiles, splits, _, rows8 = _gemv_plan(n, kp, m, sms)
+    if splits <= 1:
+        return 0
+    return _ceil_div(4 * tiles, 256) * 256 + tiles * splits * rows8 * _GEMV_CTA_ROWS * 4
+
+
 def _dense_workspace_bytes(variant: int, m: int, n: int, kp: int) -> int:
-    """Scratch of a dense call: one stream-K slot per SM for wgmma_ws, and the expanded e4m3
-    weights (N x Kp, 256-byte aligned) where wgmma_ws_e4m3 may run, else a token."""
+    """Scratch of a dense call: the GEMV's split-K partials for its plan on this process's GPUs
+    (at least 16 bytes); one stream-K slot per SM for wgmma_ws, and the expanded e4m3 weights
+    (N x Kp, 256-byte aligned) where wgmma_ws_e4m3 may run, else a token."""
+    if variant == KERNELS["gemv"] or (variant == KERNELS["auto"] and m <= GEMV_MAX_ROWS):
+        return max(16, _gemv_workspace_bytes(n, kp, m, _sms() or _SK_DEFAULT_SMS))
     if variant == KERNELS["mma_sync"]:
         return 16
     scratch = _SK_FLAG_BYTES + (_sms() or _SK_DEFAULT_SMS) * _SK_SLOT_BYTES
@@ -215,7 +277,10 @@ def w4a8_matmul(x_fp8, x_scale, w: MXFP4Weight, *, out_dtype=jnp.bfloat16, kerne
     n, _ = _check_weight(OP, x_fp8, w, rank=2)
     lead = x_fp8.shape[:-1]
     m = int(np.prod(lead, dtype=np.int64))
-    kernel_fn = functools.partial(_kernel, out_dtype, _variant(kernel))
+    if kernel == "gemv" and m > GEMV_MAX_ROWS:
+        _checks.fail(OP, "kernel", f"'gemv' takes 1 to {GEMV_MAX_ROWS} rows, x_fp8 has {m} "
+                                   f"(shape {list(x_fp8.shape)}); pass kernel='auto'")
+    kernel_fn = functools.partial(_kernel, out_dtype, _variant(kernel, m))
     ref = functools.partial(_reference, out_dtype)
     args = (x_fp8.reshape(m, x_fp8.shape[-1]), x_scale.reshape(m), w.packed, w.scales,
             w.channel_exp)
@@ -264,7 +329,8 @@ def grouped_w4a8_matmul(x_fp8, x_scale, w: MXFP4Weight, group_sizes, *,
         _checks.fail(GROUPED_OP, "w", f"E={experts} experts are not supported (at most "
                                       f"{MAX_EXPERTS})")
     _check_group_sizes(group_sizes, experts, x_fp8.shape[0])
-    kernel_fn = functools.partial(_grouped_kernel, out_dtype, _variant(kernel))
+    kernel_fn = functools.partial(_grouped_kernel, out_dtype,
+                                  _variant(kernel, x_fp8.shape[0], grouped=True))
     ref = functools.partial(_grouped_reference, out_dtype)
     return dispatch(GROUPED_OP, kernel_fn, ref, x_fp8, x_scale, w.packed, w.scales,
                     w.channel_exp, group_sizes, device_ok=_device_ok,
