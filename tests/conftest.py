@@ -31,6 +31,16 @@ if not _cuda_plugin_installed() and EXPENSIVE_PASSES_FLAG not in os.environ.get(
                                + EXPENSIVE_PASSES_FLAG + "=true").strip()
 
 
+def pytest_xdist_auto_num_workers(config):
+    """Workers of ``-n auto`` (pyproject.toml's addopts): one per core up to 4 on a machine
+    without a GPU, where XLA:CPU compiles most of the suite's time away on one thread each;
+    none (the tests in this process) where jax's CUDA plugin is installed, since each process
+    would claim most of the GPU's memory for its allocator."""
+    if _cuda_plugin_installed():
+        return 0
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _fresh_jax_caches():
     """Each test module starts with JAX's compilation caches empty. The whole CPU suite (2026-12-01,

@@ -11,12 +11,14 @@ import tempfile
 from unittest import mock
 
 from absl.testing import absltest
+import pytest
 
 from jax_mila.bench import decode
 
 
 class DecodeBenchTest(absltest.TestCase):
 
+    @pytest.mark.slow
     def test_rows_table_and_json(self):
         with tempfile.TemporaryDirectory() as out, mock.patch.dict(os.environ, OUT=out):
             text = io.StringIO()

@@ -11,11 +11,12 @@ import os
 import tempfile
 from unittest import mock
 
+from absl.testing import absltest
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl.testing import absltest
-from flax import nnx
+import pytest
 
 from jax_mila.ffi import _registry
 from jax_mila.gemma4 import fidelity
@@ -91,6 +92,7 @@ class FidelityTest(absltest.TestCase):
                     self.assertLessEqual(d["margin_over_noise_floor"], NOISE_MULTIPLE, msg)
         self.assertLen(g["kernel_tokens"], 6)
 
+    @pytest.mark.slow
     def test_seeds_script_prints_a_row_per_seed(self):
         # scripts/fidelity.py --seeds, what calibrates NOISE_MULTIPLE on a GPU, runs the test's
         # arguments (on the CPU: kernel errors 0, the floor's as above).

@@ -125,7 +125,12 @@ class ChunkedPrefillTest(parameterized.TestCase):
         for length in lengths:
             ids = prompt(length, length, base=base)
             ref_logits, ref_cache = gemma4.prefill(model, ids, max_cache_len=cap)
-            for size in (1, 3, w - 1, w, w + 1, length, 5 * w + 1):
+            # Every chunk size on the longest prompt, where each of them crosses the ring's
+            # wrap several times; on the shorter ones a chunk per token, one of the window's
+            # size, one holding the prompt and one longer than it (each size is a compile).
+            sizes = ((1, 3, w - 1, w, w + 1, length, 5 * w + 1) if length == lengths[-1]
+                     else (1, w, length, 5 * w + 1))
+            for size in sizes:
                 with self.subTest(length=length, chunk_size=size, prompt_seed=base + length):
                     logits, cache = gemma4.prefill(model, ids, chunk_size=size, max_cache_len=cap)
                     assert_close_logits(logits, ref_logits)
@@ -135,7 +140,7 @@ class ChunkedPrefillTest(parameterized.TestCase):
     def test_generate_continues_from_chunked_cache(self, overrides):
         model = tiny_model(seed=1 + len(overrides), **overrides)
         w = model.config.sliding_window
-        for length, size in ((2 * w + 3, w - 1), (5 * w, w + 1), (5 * w, 3)):
+        for length, size in ((2 * w + 3, w - 1), (5 * w, 3)):
             with self.subTest(length=length, chunk_size=size):
                 ids = prompt(length, length)
                 cap = length + NEW_TOKENS
@@ -510,7 +515,7 @@ class TreeModeStepTest(parameterized.TestCase):
         ids = prompt(0, 11)
         want = self.prefill(model, ids)
         for error in (None, TypeError("no pytree")):
-            with self.subTest(error=error), without_tree_mode(model, error):
+            with self.subTest(error=repr(error)), without_tree_mode(model, error):
                 structure, _ = jitted.model_args(model)
                 self.assertIsInstance(structure, nnx.GraphDef)
                 assert_same_bits(self, self.prefill(model, ids), want)

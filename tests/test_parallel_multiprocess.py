@@ -11,8 +11,9 @@ import socket
 import subprocess
 import sys
 
-import numpy as np
 from absl.testing import absltest
+import numpy as np
+import pytest
 
 import jax_mila
 from test_parallel_chunked import _assert_close_logits
@@ -29,6 +30,7 @@ def _free_port() -> int:
 
 class MultiProcessPrefillTest(absltest.TestCase):
 
+    @pytest.mark.slow
     def test_two_processes_equal_one_device(self):
         seed = int(np.random.SeedSequence().entropy % (2**31))
         coordinator = f"localhost:{_free_port()}"

@@ -12,11 +12,12 @@ import os
 import tempfile
 from unittest import mock
 
+from absl.testing import absltest, parameterized
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl.testing import absltest, parameterized
-from flax import nnx
+import pytest
 
 from jax_mila.__main__ import main as cli
 from jax_mila.bench import prefill as bench
@@ -267,6 +268,7 @@ class TraceTest(absltest.TestCase):
 
 class BenchTest(absltest.TestCase):
 
+    @pytest.mark.slow
     def test_cpu_run_mila_and_reference(self):
         with tempfile.TemporaryDirectory() as out, mock.patch.dict(os.environ, {"OUT": out}):
             text = io.StringIO()

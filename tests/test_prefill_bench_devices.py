@@ -9,11 +9,12 @@ import io
 import os
 from unittest import mock
 
-import jax
-import numpy as np
 from absl.testing import absltest
 from flax import nnx
+import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+import pytest
 
 from jax_mila.bench import prefill as bench
 from jax_mila.gemma4 import random_init
@@ -39,6 +40,7 @@ class ReplicatedRandomModelTest(absltest.TestCase):
 
 class DevicesBenchTest(absltest.TestCase):
 
+    @pytest.mark.slow
     def test_cpu_run_on_one_and_two_devices(self):
         out = io.StringIO()
         # The workers on 2 CPU devices wherever this runs (a GPU machine may have one GPU).

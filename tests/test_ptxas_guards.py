@@ -18,8 +18,9 @@ import shutil
 import subprocess
 import tempfile
 
-import jax.ffi
 from absl.testing import absltest
+import jax.ffi
+import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 KERNEL_FILES = sorted((REPO / "csrc").glob("*/*.cu"))
@@ -46,6 +47,7 @@ class PtxasGuardsTest(absltest.TestCase):
     def test_kernel_files_exist(self):
         self.assertGreaterEqual(len(KERNEL_FILES), 5, KERNEL_FILES)
 
+    @pytest.mark.slow
     def test_no_wgmma_serialization_or_other_performance_loss_on_sm90a(self):
         with tempfile.TemporaryDirectory() as out_dir, \
                 concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
