@@ -338,6 +338,44 @@ class DecodeReadsInPlaceTest(parameterized.TestCase):
                 want.append(((2, 9, 1, g), full, False, None))
         self.assertEqual(calls, want)
 
+    def test_attention_decode_arguments(self):
+        from jax_mila import nn
+        attn = nn.Attention(scale=1.0, backend="reference")
+        q = jnp.zeros((2, 1, 4, 16))
+        k = jnp.zeros((2, 3, 2, 16))
+        kv_len = jnp.array([3, 1], jnp.int32)
+        self.assertEqual(attn.decode(q, k, k, kv_len, window=3, ring=True).shape, q.shape)
+        for kwargs, args, pattern in (
+                (dict(ring=True), (q, k, k, kv_len), "ring: a ring of slots holds a sliding "
+                                                     "window: pass window"),
+                (dict(window=4, ring=True), (q, k, k, kv_len), "ring: 3 slots cannot hold"),
+                (dict(), (q, k, k, kv_len[:1]), r"kv_len: must be integer \[B\] = \[2\]"),
+                (dict(), (q, k, k, kv_len.astype(jnp.float32)), "kv_len: must be integer"),
+                (dict(ring=1, window=3), (q, k, k, kv_len), "ring: must be a bool"),
+                (dict(), (q[:, :, :3], k, k, kv_len), "k: Hq=3 query heads over Hkv=2")):
+            with self.subTest(pattern), self.assertRaisesRegex(
+                    ValueError, "jax_mila.nn.Attention.decode: " + pattern):
+                attn.decode(*args, **kwargs)
+
+    def test_attention_decode_picks_the_op_by_backend(self):
+        from unittest import mock
+
+        from jax_mila import ffi, nn
+        q = jnp.zeros((1, 1, 2, 256), jnp.bfloat16)
+        k = jnp.zeros((1, 4, 1, 256), jnp.float8_e4m3fn)
+        kv_len = jnp.array([2], jnp.int32)
+        with mock.patch.object(ffi, "decode_attention", wraps=ffi.decode_attention) as op, \
+                mock.patch.object(reference, "decode_attention",
+                                  wraps=reference.decode_attention) as ref:
+            nn.Attention(scale=1.0, backend="auto").decode(q, k, k, kv_len)
+            self.assertEqual((op.call_count, ref.call_count), (1, 0))
+            nn.Attention(scale=1.0, backend="reference").decode(q, k, k, kv_len)
+            self.assertEqual((op.call_count, ref.call_count), (1, 1))
+            # head dim 16: no kernel; the reference, the fallback logged
+            nn.Attention(scale=1.0, backend="auto").decode(q[..., :16], k[..., :16],
+                                                           k[..., :16], kv_len)
+            self.assertEqual((op.call_count, ref.call_count), (1, 2))
+
     def test_a_ring_cut_below_the_window_reads_as_a_buffer(self):
         self.assertTrue(kv.decode_reads_ring(3, 3))
         self.assertFalse(kv.decode_reads_ring(7, 16))   # capacity 7 < window 16: never wraps
