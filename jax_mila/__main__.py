@@ -1,6 +1,6 @@
 """Command line of jax_mila.
 
-    python -m jax_mila generate [--model PATH] [--prompt TEXT | --prompt-ids 2,17,5 | --length N]
+    python -m jax_mila generate [--model PATH] [--prompt TEXT ... | --prompt-ids 2,17,5 ... | --length N]
                                 [--new-tokens 32] [--block 16] [--ignore-eos]
                                 [--dtype bfloat16] [--backend auto] [--chunk-size N]
     python -m jax_mila prefill  [the same options but --new-tokens]
@@ -14,6 +14,9 @@ prefill / generate take ``--quantize w4a8`` (MXFP4 weights x FP8 activations; a 
 written by ``convert`` is loaded in that format automatically). ``convert`` writes SRC's text
 decoder to DST with MXFP4 linear weights (see jax_mila/gemma4/convert.py); the other towers
 are not copied.
+
+--prompt and --prompt-ids may be repeated: the prompts run as one batch, each of its own
+length (right padded; gemma4.prefill's ``lengths``), and each continues from its own end.
 
 --chunk-size N runs the prompt in chunks of N tokens (one compiled step, cache donated, a
 progress bar over the chunks); by default a prompt longer than a chunk sized from the free
@@ -56,21 +59,33 @@ def _token_ids(text: str) -> list[int]:
 
 
 def _prompt_ids(args, vocab_size: int):
+    """(ids [B, S] int32, lengths [B] or None, tokenizer or None): one row per --prompt or
+    --prompt-ids given (each may be repeated), right padded with id 0 to the longest; lengths
+    None where every row has the same length."""
     import numpy as np
 
+    tokenizer = None
     if args.prompt_ids is not None:
-        ids = args.prompt_ids
-        bad = [t for t in ids if not 0 <= t < vocab_size]
+        rows = args.prompt_ids
+        bad = sorted({t for row in rows for t in row if not 0 <= t < vocab_size})
         if bad:
             sys.exit(f"--prompt-ids: {bad} outside the vocabulary [0, {vocab_size})")
-        return np.asarray([ids], np.int32), None
-    if args.prompt is not None:
+    elif args.prompt is not None:
         tokenizer = _tokenizer(args.model)
-        return np.asarray([tokenizer.encode(args.prompt).ids], np.int32), tokenizer
-    rng = np.random.default_rng(args.seed)  # synthetic prompt: BOS then random ids
-    ids = rng.integers(3, vocab_size, size=(1, args.length), dtype=np.int32)
-    ids[:, 0] = 2
-    return ids, None
+        rows = [tokenizer.encode(text).ids for text in args.prompt]
+        empty = [i for i, row in enumerate(rows) if not row]
+        if empty:
+            sys.exit(f"--prompt: prompt {empty[0]} encodes to no tokens")
+    else:
+        rng = np.random.default_rng(args.seed)  # synthetic prompt: BOS then random ids
+        ids = rng.integers(3, vocab_size, size=(1, args.length), dtype=np.int32)
+        ids[:, 0] = 2
+        return ids, None, None
+    lengths = np.asarray([len(row) for row in rows], np.int32)
+    ids = np.zeros((len(rows), lengths.max()), np.int32)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = row
+    return ids, None if (lengths == lengths[0]).all() else lengths, tokenizer
 
 
 def _tokenizer(model_dir: str):
@@ -129,28 +144,36 @@ def _run(args, parser) -> None:
     except (gemma4.loader.CheckpointError, ValueError, OSError) as e:
         _fail(parser, f"--model {args.model}: {_without_path(e, args.model)}")
     cfg = model.config
-    ids, tokenizer = _prompt_ids(args, cfg.vocab_size)
+    ids, lengths, tokenizer = _prompt_ids(args, cfg.vocab_size)
     batch, length = ids.shape
+    tokens_in = batch * length if lengths is None else int(lengths.sum())  # real prompt tokens
     new = args.new_tokens if args.command == "generate" else 0
     _warn_past_max_positions(cfg, length, new)
     print(f"model {args.model} ({cfg.model_type}, {cfg.num_hidden_layers} layers, hidden "
           f"{cfg.hidden_size}), {args.dtype}, backend {args.backend}, weights "
           f"{quantize or 'dense'}, device {jax.devices()[0]}")
-    print(f"prompt: {length} tokens" + (f": {ids[0].tolist()}" if length <= 32 else ""))
+    if batch == 1:
+        print(f"prompt: {length} tokens" + (f": {ids[0].tolist()}" if length <= 32 else ""))
+    for row in range(batch if batch > 1 else 0):
+        n = length if lengths is None else int(lengths[row])
+        print(f"prompt {row}: {n} tokens" + (f": {ids[row, :n].tolist()}" if n <= 32 else ""))
 
     cap = length + new
     chunking = dict(chunk_size=args.chunk_size, max_cache_len=cap,
-                    kv_cache_dtype=args.kv_cache_dtype)
+                    kv_cache_dtype=args.kv_cache_dtype, lengths=lengths)
     (logits, cache), t_first = _timed(gemma4.prefill, model, ids, progress=True, **chunking)
     del logits, cache  # one cache alive at a time, so the peak below is one prefill's
     (logits, cache), t_prefill = _timed(gemma4.prefill, model, ids, progress=True, **chunking)
-    print(f"prefill: {length} tokens in {t_prefill * 1e3:.1f} ms = {batch * length / t_prefill:,.0f} "
+    print(f"prefill: {tokens_in} tokens in {t_prefill * 1e3:.1f} ms = {tokens_in / t_prefill:,.0f} "
           f"tokens/s (first call incl. compile {t_first:.2f} s, {_chunking(model, batch, length, cap, args)})")
     print(f"time to first token: {t_prefill * 1e3:.1f} ms (the prefill ends with the first new "
           f"token's logits)")
     print(_memory_line(model, cache))
     if new == 0:
-        print(f"next token: {int(jnp.argmax(logits[0]))}")
+        if batch == 1:
+            print(f"next token: {int(jnp.argmax(logits[0]))}")
+        else:
+            print(f"next tokens (one per prompt): {np.asarray(jnp.argmax(logits, -1)).tolist()}")
         return
     stop = () if args.ignore_eos else cfg.eos_token_id
     block = min(args.block or DEFAULT_BLOCK, max(new - 1, 1))
@@ -162,12 +185,13 @@ def _run(args, parser) -> None:
         jax.block_until_ready(cache)
     tokenizer = tokenizer or _optional_tokenizer(args.model)
     printer = _TokenPrinter(tokenizer)
-    print("generated: ", end="", flush=True)
+    print("generated" + (" (prompt 0)" if batch > 1 else "") + ": ", end="", flush=True)
     tokens = gemma4.generate(model, ids, new, logits=logits, cache=cache, stream=printer,
                              **decoding)
     printer.finish()
     print()
-    out = np.asarray(tokens)[0].tolist()
+    rows = [_until_stop(row, stop) for row in np.asarray(tokens).tolist()]
+    out = rows[0]
     stopped = f", stopped at EOS {out[-1]}" if out[-1] in stop else ""
     steps = len(out) - 1
     if steps:
@@ -175,13 +199,22 @@ def _run(args, parser) -> None:
         print(f"decode: {steps} steps in {t_decode * 1e3:.1f} ms = {batch * steps / t_decode:,.1f} "
               f"tokens/s (blocks of {block} steps{stopped}; first call incl. compile "
               f"{t_compile:.2f} s)")
-        print(f"throughput: prefill {batch * length / t_prefill:,.0f} tokens/s, decode "
+        print(f"throughput: prefill {tokens_in / t_prefill:,.0f} tokens/s, decode "
               f"{batch * steps / t_decode:,.1f} tokens/s (batch {batch})")
     elif stopped:
         print(f"decode: no steps (the first token is EOS {out[0]})")
-    print(f"generated ids: {out}")
-    if tokenizer is not None:
-        print(_generated_text(tokenizer, out))
+    for row, out in enumerate(rows):
+        name = f" (prompt {row})" if batch > 1 else ""
+        print(f"generated ids{name}: {out}")
+        if tokenizer is not None:
+            print(_generated_text(tokenizer, out))
+
+
+def _until_stop(tokens: list[int], stop) -> list[int]:
+    """A row of generate's tokens up to and including its first stop token (the pad ids after
+    it are the batch's, not the row's)."""
+    ends = [i for i, t in enumerate(tokens) if t in stop]
+    return tokens[:ends[0] + 1] if ends else tokens
 
 
 class _TokenPrinter:
@@ -381,8 +414,12 @@ def main(argv=None) -> None:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--model", help="checkpoint directory (default: the embedded checkpoint)")
         group = p.add_mutually_exclusive_group()
-        group.add_argument("--prompt", help="text (needs tokenizer.json in the checkpoint)")
-        group.add_argument("--prompt-ids", type=_token_ids, help="comma- or space-separated token ids")
+        group.add_argument("--prompt", action="append",
+                           help="text (needs tokenizer.json in the checkpoint); repeat it for a "
+                                "batch of prompts, of any lengths")
+        group.add_argument("--prompt-ids", type=_token_ids, action="append",
+                           help="comma- or space-separated token ids; repeat it for a batch of "
+                                "prompts, of any lengths")
         group.add_argument("--length", type=int, default=64, help="synthetic prompt length (default 64)")
         if name == "generate":  # prefill generates nothing: there it would be ignored
             p.add_argument("--new-tokens", type=int, default=32,

@@ -73,7 +73,7 @@ def assert_same_cache(test, a, b):
     """Every buffer within 1e-5 of its largest magnitude, the logits' criterion (the K/V of
     later layers come from hidden states that went through reordered sums; float64 in
     test_chunked_equals_one_shot, which says why); a key in the wrong slot is off by O(0.1)."""
-    test.assertEqual(int(a.length), int(b.length))
+    np.testing.assert_array_equal(a.length, b.length, strict=True)
     test.assertEqual(a.max_len, b.max_len)
     for i, (x, y) in enumerate(zip(a.keys + a.values, b.keys + b.values)):
         test.assertEqual(x is None, y is None)
@@ -171,7 +171,7 @@ class ChunkedPrefillTest(parameterized.TestCase):
         ids = prompt(0, 33)  # 5 chunks of 7, the last one padded (5 real tokens)
         ref, _ = gemma4.prefill(model, ids, max_cache_len=40)
         logits, cache = gemma4.prefill(model, ids, chunk_size=7, max_cache_len=40)
-        self.assertEqual(int(cache.length), 33)
+        np.testing.assert_array_equal(cache.length, 33)
         assert_close_logits(logits, ref)
         # Another prompt length (3 chunks, last with 1 real token) reuses the same step.
         gemma4.prefill(model, ids[:, :15], chunk_size=7, max_cache_len=40)
@@ -207,7 +207,7 @@ class ChunkedPrefillTest(parameterized.TestCase):
             logits, cache = gemma4.prefill(model, ids, chunk_size=4, progress=True)
         self.assertIn("3/3", err.getvalue())
         self.assertIn("chunk", err.getvalue())
-        self.assertEqual(int(cache.length), 10)
+        np.testing.assert_array_equal(cache.length, 10)
 
     def test_default_chunk_size(self):
         model = tiny_model()
@@ -282,7 +282,7 @@ class ChunkedPrefillTest(parameterized.TestCase):
             logits, cache = gemma4.prefill(model, ids, max_cache_len=24)
         self.assertEqual(widths, [8, 8, 4])
         self.assertEqual(step._cache_size() - before, 1)  # the tail (chunks of 8: compiled above)
-        self.assertEqual(int(cache.length), 19)
+        np.testing.assert_array_equal(cache.length, 19)
         assert_close_logits(logits, ref)
         assert_close_logits(logits, padded_logits)
         assert_same_cache(self, cache, padded_cache)
@@ -415,7 +415,7 @@ def assert_same_bits(test, a, b):
     """Two prefills' (logits, cache), bit for bit."""
     (la, ca), (lb, cb) = a, b
     np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
-    test.assertEqual(int(ca.length), int(cb.length))
+    np.testing.assert_array_equal(ca.length, cb.length, strict=True)
     for i, (x, y) in enumerate(zip(ca.keys + ca.values, cb.keys + cb.values)):
         test.assertEqual(x is None, y is None)
         if x is not None:

@@ -47,6 +47,19 @@ class CliTest(parameterized.TestCase):
         ids = re.search(r"generated ids: \[(.*)\]", text).group(1).split(",")
         self.assertLen(ids, 4)
 
+    def test_several_prompts_of_different_lengths(self):
+        """Repeated --prompt-ids run as one batch (prefill's lengths); each row's ids are what
+        the same command prints for that prompt alone."""
+        prompts = ("2,5,9,11,40,7,8", "2,7", "2,8,9")
+        argv = ("generate", "--new-tokens", "5", "--dtype", "float32", "--ignore-eos")
+        text = run_cli(*argv, *[a for p in prompts for a in ("--prompt-ids", p)])
+        self.assertIn("prompt 1: 2 tokens: [2, 7]", text)
+        self.assertRegex(text, r"prefill: 12 tokens in")  # the real tokens, not 3 x 7
+        for row, prompt in enumerate(prompts):
+            alone = run_cli(*argv, "--prompt-ids", prompt)
+            want = re.search(r"generated ids: (\[.*\])", alone).group(1)
+            self.assertIn(f"generated ids (prompt {row}): {want}", text)
+
     def test_prefill_from_text_and_ids(self):
         text = run_cli("prefill", "--prompt", "Hello world")
         self.assertRegex(text, r"prompt: \d+ tokens: \[2, ")   # BOS from the tokenizer

@@ -62,7 +62,8 @@ class GenerateTest(parameterized.TestCase):
         full = gemma4.forward(model, ids)
         last, cache = gemma4.prefill(model, ids, max_cache_len=20)
         np.testing.assert_allclose(np.asarray(last), np.asarray(full[:, -1]), atol=1e-5, rtol=0)
-        self.assertEqual(int(cache.length), 11)
+        self.assertEqual(cache.length.shape, (2,))     # one length per row
+        np.testing.assert_array_equal(cache.length, 11)
         self.assertEqual(cache.max_len, 20)
         for spec, k in zip(model.config.layers, cache.keys):
             if spec.is_kv_shared:

@@ -89,7 +89,7 @@ class PiecesTest(parameterized.TestCase):
         ref_logits, ref_cache = gemma4.prefill(model, ids, chunk_size=4, **ONE_STEP)
         np.testing.assert_array_equal(np.asarray(logits, np.float32),
                                       np.asarray(ref_logits, np.float32))
-        self.assertEqual(int(cache.length), int(ref_cache.length))
+        np.testing.assert_array_equal(cache.length, ref_cache.length, strict=True)
         for a, b in zip(cache.keys + cache.values, ref_cache.keys + ref_cache.values):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 

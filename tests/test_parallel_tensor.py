@@ -190,10 +190,51 @@ class TensorParallelTest(parameterized.TestCase):
         want, want_cache = gemma4.prefill(model, ids, chunk_size=4)
         got, cache = gemma4.prefill(model, ids, chunk_size=4, mesh=_mesh(tp))
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5, err_msg=f"seed={seed}")
-        self.assertEqual(int(cache.length), 13)
+        np.testing.assert_array_equal(cache.length, 13)
         for spec, k, k_want in zip(model.config.layers, cache.keys, want_cache.keys):
             split = spec.num_kv_heads % tp == 0
             self.assertEqual(k.sharding.spec, P(None, None, "heads") if split else P(), spec)
+            np.testing.assert_allclose(k, k_want, atol=1e-5, rtol=1e-5)
+
+    @parameterized.parameters(2, 4)
+    def test_decode_step_with_a_mesh(self, tp):
+        """A decode step inside shard_map (Layout heads_axis: each device attends its heads'
+        queries over its heads' cache, decode_attention in place; tp=4 replicates the global
+        layer's single KV head) equals the single-device step, on rows of different lengths."""
+        from jax_mila.engine import sharded
+        from jax_mila.parallel import chunked
+
+        seed = _seed()
+        model = gemma4.Gemma4ForCausalLM(_config(), dtype=jnp.float32, rngs=nnx.Rngs(seed))
+        ids = jax.random.randint(jax.random.key(seed), (2, 13), 0, 256)
+        mesh = _mesh(tp)
+        logits, cache = gemma4.prefill(model, ids, lengths=[13, 6], chunk_size=4,
+                                       max_cache_len=16, mesh=mesh)
+        token = jnp.argmax(logits, -1).astype(jnp.int32)
+        graphdef, state = nnx.split(model)
+        _, specs = sharded._weight_specs(model, state, mesh, "heads")
+        cspecs = chunked.cache_specs(cache, model.config, seq_axis=None, tp_axis="heads",
+                                     tp_size=tp)
+        layout = Layout(heads_axis="heads")
+
+        def body(state, cache, token):
+            m = nnx.merge(graphdef, state)
+            h, cache = m.hidden_states(token[:, None], mode="decode", cache=cache,
+                                       layout=layout)
+            return m.logits(h[:, 0]), cache
+
+        step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, cspecs, P()),
+                                     out_specs=(P(), cspecs)))
+        got, got_cache = step(jax.device_put(state, jax.tree.map(
+            lambda s: jax.sharding.NamedSharding(mesh, s), specs,
+            is_leaf=lambda x: isinstance(x, P))), cache, token)
+        single = jax.tree.map(lambda x: jnp.asarray(jax.device_get(x)), cache)
+        want, want_cache = jax.jit(lambda c, t: model.hidden_states(
+            t[:, None], mode="decode", cache=c))(single, token)
+        np.testing.assert_allclose(got, model.logits(want[:, 0]), atol=2e-5, rtol=1e-5,
+                                   err_msg=f"seed={seed}")
+        np.testing.assert_array_equal(got_cache.length, [14, 7])
+        for k, k_want in zip(got_cache.keys, want_cache.keys):
             np.testing.assert_allclose(k, k_want, atol=1e-5, rtol=1e-5)
 
     def test_w4a8_slices_must_keep_whole_k_groups(self):

@@ -79,10 +79,11 @@ def prefill_step(structure, weights, input_ids, max_len):
 
 
 def chunk_hidden(model, cache, input_ids, valid, first=False, *, layout=SINGLE_DEVICE):
-    """One chunk [B, T] at positions cache.length + arange(T); its first ``valid`` tokens are
-    real; ``first``: the caller promises cache.length == 0 (hidden_states' ``first_chunk``);
-    ``layout``: the step's split over the mesh (jax_mila.parallel.Layout).
-    Returns (the last real token's hidden state [B, H], before the final norm; cache)."""
+    """One chunk [B, T] at positions max(cache.length) + arange(T); its first ``valid`` tokens
+    are real (a scalar, or [B]: row b's first valid[b]); ``first``: the caller promises
+    cache.length == 0 (hidden_states' ``first_chunk``); ``layout``: the step's split over the
+    mesh (jax_mila.parallel.Layout).
+    Returns (each row's last real token's hidden state [B, H], before the final norm; cache)."""
     h, cache = model.hidden_states(input_ids, mode="chunk", cache=cache, valid=valid,
                                    first_chunk=first, layout=layout)
     return layout.last_real_token(h, valid), cache
@@ -128,7 +129,7 @@ def head_fn(model):
 
 @functools.partial(jax.jit, static_argnames=("structure", "steps"), donate_argnames=("cache",))
 def decode_steps(structure, weights, cache, token, done, stop, pad, steps):
-    """One block of ``steps`` greedy decode steps from ``token`` [B] at cache.length, the unit
+    """One block of ``steps`` greedy decode steps from ``token`` [B] at cache.length [B], the unit
     of the decode loop (engine.run.decode): returns (tokens [B, steps], the last of them [B],
     cache, done [B]).
 

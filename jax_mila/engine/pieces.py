@@ -25,6 +25,7 @@ import functools
 import jax
 
 from jax_mila.engine import jitted
+from jax_mila.parallel.layout import SINGLE_DEVICE
 
 FIRST_PIECE_LAYERS = 2  # what the host takes apart and dispatches before the device has work
 # The other pieces: each is a dispatch per chunk (hidden behind the device) and a boundary
@@ -61,12 +62,12 @@ def bounds(num_layers: int, piece_layers: int = PIECE_LAYERS) -> list[tuple[int,
     return out
 
 
-def _piece(run, structure, weights, x, entries, offset, valid, max_len, last, first):
+def _piece(run, structure, weights, x, entries, lengths, valid, max_len, last, first):
     """Layers of one piece on x (token ids for the first piece, else the hidden state)."""
-    h, new_entries = run(jax.tree.unflatten(structure, weights), x, entries, offset=offset,
+    h, new_entries = run(jax.tree.unflatten(structure, weights), x, entries, lengths=lengths,
                          valid=valid, max_len=max_len, first_chunk=first)
     if last:
-        h = jax.lax.dynamic_index_in_dim(h, valid - 1, axis=1, keepdims=False)
+        h = SINGLE_DEVICE.last_real_token(h, valid)
     return h, new_entries
 
 
@@ -106,7 +107,7 @@ class ChunkPieces:
     def step(self, _state, cache, input_ids, valid, *, first: bool = False):
         """One chunk, as the one-step chunk step (whose first argument, the model's arrays, it
         does not take): (the last real token's hidden state [B, H], the cache with the chunk's
-        keys and values, length + valid). ``first``: as that step's."""
+        keys and values, length + valid). ``valid``, ``first``: as that step's."""
         keys, values = list(cache.keys), list(cache.values)
         x = input_ids
         for i, (start, stop) in enumerate(self._bounds):

@@ -34,6 +34,37 @@ def _check_count(name: str, value, *, allow_none: bool = False) -> int | None:
     return int(value)
 
 
+def check_lengths(lengths, batch: int, width: int) -> np.ndarray | None:
+    """``lengths`` (None, or one prompt length per row: a list, tuple, NumPy or jax array of
+    integers, shape [batch], each in [1, width]) as int32 [batch]; None where it is None.
+    ValueError naming ``lengths``, what it got and what is supported otherwise. Values are
+    needed on the host (they set the chunks' real tokens): a traced array is refused."""
+    if lengths is None:
+        return None
+    if isinstance(lengths, jax.core.Tracer):
+        raise ValueError("lengths must be concrete (a list or an array of ints), got a traced "
+                         "value: prefill runs its chunks from the host")
+    if isinstance(lengths, (str, bytes)) or is_int(lengths):
+        raise ValueError(f"lengths must be a sequence of {batch} ints (one per row of "
+                         f"input_ids), got {lengths!r}")
+    try:
+        host = np.asarray(lengths)
+    except (TypeError, ValueError):
+        raise ValueError(f"lengths must be a sequence of {batch} ints (one per row of "
+                         f"input_ids), got {lengths!r}") from None
+    if host.dtype == bool or not np.issubdtype(host.dtype, np.integer):
+        raise ValueError(f"lengths must be integers, got dtype {host.dtype} ({lengths!r}); "
+                         "supported: an int array or a list of ints, shape [B]")
+    if host.shape != (batch,):
+        raise ValueError(f"lengths must have shape [B] = [{batch}] (one per row of input_ids "
+                         f"[{batch}, {width}]), got shape {list(host.shape)}")
+    bad = [(i, int(n)) for i, n in enumerate(host.tolist()) if not 1 <= n <= width]
+    if bad:
+        raise ValueError(f"lengths: each must be in [1, {width}] (1 <= length <= the prompt's "
+                         f"width S); got (row, length) {bad[:10]}")
+    return host.astype(np.int32)
+
+
 def forward(model, input_ids, mesh=None, *, heads_axis: str | None = "heads",
             seq_axis: str | None = None) -> jax.Array:
     """Jitted ``model(input_ids)``: logits [B, S, vocab]; compiles once per input shape.
@@ -45,14 +76,25 @@ def forward(model, input_ids, mesh=None, *, heads_axis: str | None = "heads",
     return jitted.forward_step(*jitted.model_args(model), model.check_input_ids(input_ids))
 
 
-def prefill(model, input_ids, *, chunk_size: int | None = None,
+def prefill(model, input_ids, *, lengths=None, chunk_size: int | None = None,
             max_cache_len: int | None = None, progress: bool = False, kv_cache_dtype=None,
             mesh=None, tp_axis: str = "heads", seq_axis: str = "seq",
             seq_segments: int | None = None, piece_layers: int | None = pieces.PIECE_LAYERS):
     """Runs the prompt [B, S]; returns (logits of the last position [B, vocab], KVCache).
 
-    ``max_cache_len`` (default S) is the number of positions the cache can hold in total,
-    prompt included; sliding layers keep only a ring of ``sliding_window`` positions.
+    ``lengths`` (None: every row is S tokens long): prompts of different lengths, right
+    padded: row b's prompt is input_ids[b, :lengths[b]] and what follows is padding (any ids
+    in the vocabulary). A list, tuple or array of ints of shape [B], each in [1, S]
+    (``check_lengths``). Row b's logits are then those of its position lengths[b] - 1 and
+    its cache holds lengths[b] positions (cache.length[b]), as if it had been prefilled
+    alone: padding comes after every real query (causal), is never written to a ring and,
+    in a full layer, only past the row's length, where decode never reads it. The prompt then
+    runs through the chunked step (per-row real tokens), cut to max(lengths) columns; not
+    with context parallelism (``seq_axis``) yet.
+
+    ``max_cache_len`` (default S; with ``lengths``, the longest) is the number of positions
+    the cache can hold in total, prompt included; sliding layers keep only a ring of
+    ``sliding_window`` positions.
 
     ``chunk_size``: the prompt runs in chunks of that many tokens, each one jitted step that
     updates the (donated) cache, so activation memory is bounded by the chunk, not the prompt.
@@ -89,10 +131,23 @@ def prefill(model, input_ids, *, chunk_size: int | None = None,
     model apart (jax_mila.engine.pieces); None runs each chunk as one jitted step."""
     ids = model.check_input_ids(input_ids)
     batch, length = ids.shape
-    max_len = length if max_cache_len is None else _check_count("max_cache_len", max_cache_len)
+    lengths = check_lengths(lengths, batch, length)
+    if max_cache_len is not None:
+        max_cache_len = _check_count("max_cache_len", max_cache_len)
+    chunk_size = _check_count("chunk_size", chunk_size, allow_none=True)
+    if lengths is not None:
+        if mesh is not None and seq_axis in mesh.axis_names:
+            raise ValueError(f"lengths with context parallelism (mesh axis seq_axis="
+                             f"{seq_axis!r}) is not supported yet; pass prompts of one "
+                             "length, or a mesh without that axis")
+        # Columns past the longest prompt are padding of every row: never run.
+        length = int(lengths.max())
+        ids = ids[:, :length]
+        if (lengths == length).all():
+            lengths = None  # one length: the batch runs as any other
+    max_len = length if max_cache_len is None else max_cache_len
     if max_len < length:
         raise ValueError(f"max_cache_len={max_len} is shorter than the prompt ({length})")
-    chunk_size = _check_count("chunk_size", chunk_size, allow_none=True)
     if piece_layers is not None and (not isinstance(piece_layers, int) or piece_layers < 1):
         raise ValueError(f"piece_layers must be an int >= 1 or None, got {piece_layers!r}")
     tp, seq, devices = None, None, 1
@@ -110,7 +165,7 @@ def prefill(model, input_ids, *, chunk_size: int | None = None,
         # One unpadded chunk. Where the layer pieces apply it runs in them, as longer prompts
         # do (the one-shot call would expose the whole model's flatten and dispatch before
         # the device starts).
-        if kv_cache_dtype is None and mesh is None and not in_pieces:
+        if kv_cache_dtype is None and mesh is None and not in_pieces and lengths is None:
             return jitted.prefill_step(*jitted.model_args(model), ids, max_len)
         size = length  # one chunk, through the chunked step
     size = -(-size // devices) * devices  # a chosen size, rounded up for the seq axis
@@ -144,10 +199,19 @@ def prefill(model, input_ids, *, chunk_size: int | None = None,
 
         chunks = tqdm(chunks, total=len(spans), unit="chunk",
                       desc=f"prefill ({size} tokens/chunk)")
+    last = None
     for start, width in chunks:
-        valid = jnp.int32(min(width, length - start))
         first = {"first": True} if first_own and start == 0 else {}
+        if lengths is None:
+            valid = jnp.int32(min(width, length - start))
+        else:  # each row's real tokens in this chunk (0 once its prompt has ended)
+            row_valid = np.clip(lengths - start, 0, width).astype(np.int32)
+            valid = jnp.asarray(row_valid)
         out, cache = step(state, cache, padded[:, start:start + width], valid, **first)
+        if lengths is not None and last is not None:
+            # A row's last real token is in the last chunk where it has any.
+            out = jnp.where(jnp.asarray(row_valid > 0)[:, None], out, last)
+        last = out
         if progress:  # otherwise the bar would count asynchronous dispatches, not finished chunks
             out.block_until_ready()
     # Each step returns the last real token's hidden state; its logits once, here. The mesh
@@ -244,8 +308,9 @@ def _decode_blocks(model, token, cache, steps: int, block: int, stop: np.ndarray
 
 def decode(model, token, cache, steps: int, *, stop_tokens=None, block: int | None = None,
            stream=None):
-    """Feeds ``token`` [B] (the token at position cache.length) and then its own greedy
-    choices for up to ``steps`` steps. Returns (the new tokens [B, n], cache), n the steps
+    """Feeds ``token`` [B] (row b's token at its position cache.length[b]: rows of a prefill
+    given ``lengths`` each continue from their own end) and then its own greedy choices for up
+    to ``steps`` steps. Returns (the new tokens [B, n], cache), n the steps
     run: the returned cache holds n more positions. The cache passed in is donated (do not
     reuse it).
 
@@ -295,10 +360,11 @@ def _check_cache(cache, batch: int, steps: int) -> None:
         raise ValueError(f"decode takes a cache in position order; this one is sharded by "
                          f"position (seq_layout {cache.seq_layout}, a context-parallel prefill): "
                          "pass it through jax_mila.parallel.cache_in_position_order")
-    needed = int(cache.length) + steps
+    longest = int(np.max(np.asarray(cache.length)))
+    needed = longest + steps
     if needed > cache.max_len:
         raise ValueError(f"the cache holds {cache.max_len} positions; {steps} decode steps from "
-                         f"length {int(cache.length)} need {needed} (pass a larger max_cache_len)")
+                         f"length {longest} need {needed} (pass a larger max_cache_len)")
 
 
 def _run_blocks(model, token, cache, steps, block, stop, done, stream, *, drain):
@@ -319,15 +385,19 @@ def _run_blocks(model, token, cache, steps, block, stop, done, stream, *, drain)
             stream(tokens[:, :keep])
 
 
-def generate(model, input_ids, max_new_tokens: int, *, cache=None, logits=None,
-             chunk_size: int | None = None, progress: bool = False, kv_cache_dtype=None,
-             stop_tokens=None, block: int | None = None, stream=None) -> jax.Array:
+def generate(model, input_ids, max_new_tokens: int, *, lengths=None, cache=None,
+             logits=None, chunk_size: int | None = None, progress: bool = False,
+             kv_cache_dtype=None, stop_tokens=None, block: int | None = None,
+             stream=None) -> jax.Array:
     """Greedy continuation of ``input_ids`` [B, S]: returns the new token ids [B, n].
 
-    Without ``cache``, runs ``prefill`` first (sized for S + max_new_tokens; ``chunk_size``,
-    ``progress`` and ``kv_cache_dtype`` are passed to it). To continue an
+    Without ``cache``, runs ``prefill`` first (sized for S + max_new_tokens; ``lengths``,
+    ``chunk_size``, ``progress`` and ``kv_cache_dtype`` are passed to it). To continue an
     existing prefill, pass its ``logits`` and ``cache`` (its capacity must cover the new
-    tokens; it is donated).
+    tokens; it is donated); its rows' lengths are the cache's, so ``lengths`` is then refused.
+
+    ``lengths`` (prompts of different lengths, right padded; prefill says what it takes):
+    row b continues from its own end, input_ids[b, :lengths[b]], as if generated alone.
 
     ``stop_tokens`` (e.g. ``model.config.eos_token_id``: EOS, and <turn|> for an
     instruction-tuned checkpoint): a row ends with the first one it emits; the rows of a batch
@@ -347,9 +417,12 @@ def generate(model, input_ids, max_new_tokens: int, *, cache=None, logits=None,
     stop = _stop_ids(model, stop_tokens)
     if (cache is None) != (logits is None):
         raise ValueError("pass both the cache and the last logits of a prefill, or neither")
+    if cache is not None and lengths is not None:
+        raise ValueError("lengths is for generate's own prefill; a cache passed in holds its "
+                         "rows' lengths already (pass lengths to the prefill that made it)")
     if cache is None:
-        logits, cache = prefill(model, ids, chunk_size=chunk_size, progress=progress,
-                                max_cache_len=ids.shape[1] + max_new_tokens,
+        logits, cache = prefill(model, ids, lengths=lengths, chunk_size=chunk_size,
+                                progress=progress, max_cache_len=ids.shape[1] + max_new_tokens,
                                 kv_cache_dtype=kv_cache_dtype)
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     steps = max_new_tokens - 1

@@ -31,7 +31,10 @@ from jax_mila.gemma4.config import Gemma4Config, LayerSpec
 from jax_mila.gemma4.rope import norm_rope
 from jax_mila.parallel.layout import CHUNK, SINGLE_DEVICE, Layout
 
-# What attention reads: (k, v, kv_offset). Shared layers receive their source's view.
+# What attention reads: (k, v, kv_offset) in flash_attention's position contract (modes
+# "full", "prefill", "chunk"), or in mode "decode" (k_buf, v_buf, kv_len [B]): the cache
+# buffers as they lie and each row's valid length (decode_attention's contract). Shared
+# layers receive their source's view.
 KVView = tuple[jax.Array, jax.Array, jax.Array]
 
 
@@ -104,9 +107,10 @@ class Gemma4Attention(nnx.Module):
         (nn.QuantizedRows, where takes_quantized_input()).
 
         mode "full" (no cache), "prefill" (offset 0; builds this layer's cache entry),
-        "decode" (T == 1; appends to ``entry``) or "chunk" (a prefill chunk whose first ``valid``
-        tokens are real; appends them to ``entry``; ``first_chunk``: at offset 0, see
-        cache.chunk_update's ``first``). ``layout``: the step's split over the mesh (this
+        "decode" (T == 1; ``offset`` [B] each row's position; writes to ``entry`` and attends
+        over its buffers in place, decode_attention) or "chunk" (a prefill chunk whose first
+        ``valid`` tokens are real, a scalar or [B] per row; appends them to ``entry``;
+        ``first_chunk``: at offset 0, see cache.chunk_update's ``first``). ``layout``: the step's split over the mesh (this
         device's heads, its tokens, how its attention merges across devices; the cos, sin
         given are its tokens'). Returns (out, kv_view, new_entry)."""
         b, t, _ = x.shape
@@ -127,8 +131,9 @@ class Gemma4Attention(nnx.Module):
             if mode == "prefill":
                 new_entry = kv.prefill_entry(k, v, ring=ring, max_len=max_len)
             elif mode == "decode":
-                k_buf, v_buf, k, v, kv_offset = kv.decode_update(*entry, k, v, offset, ring=ring is not None)
-                new_entry = (k_buf, v_buf)
+                new_entry = kv.decode_update(*entry, k, v, offset, ring=ring is not None)
+                k, v = new_entry
+                kv_offset = offset + 1  # kv_len: each row's tokens, this step's included
             elif mode == "chunk":
                 if layout.seq_split == CHUNK:  # k, v: this device's slice of the chunk
                     update = functools.partial(kv.sharded_chunk_update, axis=layout.seq_axis,
@@ -138,13 +143,21 @@ class Gemma4Attention(nnx.Module):
                 k_buf, v_buf, k, v, kv_offset = update(*entry, k, v, offset, valid,
                                                        ring=ring is not None)
                 new_entry = (k_buf, v_buf)
-        if k.dtype != q.dtype:  # an FP8 cache (cache.py): attention reads the model's dtype
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
-        kq, vq = layout.kv_heads_for_local_queries(k, v, num_heads=self.num_heads,
-                                                   num_kv_heads=self.num_kv_heads,
-                                                   local_q_heads=q.shape[2])
-        o = layout.attend(q, kq, vq, self.attn, window=self.window, q_offset=offset,
-                          kv_offset=kv_offset)
+        if mode == "decode":
+            # The buffers as they lie: a ring in place, an FP8 cache as stored.
+            kq, vq = layout.kv_heads_for_local_queries(k, v, num_heads=self.num_heads,
+                                                       num_kv_heads=self.num_kv_heads,
+                                                       local_q_heads=q.shape[2])
+            o = layout.attend_cache(q, kq, vq, self.attn, kv_len=kv_offset, window=self.window,
+                                    ring=kv.decode_reads_ring(k.shape[1], self.window))
+        else:
+            if k.dtype != q.dtype:  # an FP8 cache (cache.py): the prefill reads the model's dtype
+                k, v = k.astype(q.dtype), v.astype(q.dtype)
+            kq, vq = layout.kv_heads_for_local_queries(k, v, num_heads=self.num_heads,
+                                                       num_kv_heads=self.num_kv_heads,
+                                                       local_q_heads=q.shape[2])
+            o = layout.attend(q, kq, vq, self.attn, window=self.window, q_offset=offset,
+                              kv_offset=kv_offset)
         # o_proj is row-parallel under tensor parallelism: its partial sums are all-reduced.
         out = self.o_proj(o.reshape(b, t, -1), row_parallel_axis=layout.heads_axis)
         out = layout.reduce(out)

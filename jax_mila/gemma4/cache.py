@@ -6,14 +6,21 @@ source layer's view):
 - sliding layers: a ring of R = min(window, max_len) slots, slot (p % R) holds position p, so
   local memory is bounded by the window however long the sequence gets.
 
-Attention reads a cache through the position-offset contract of jax_mila.ffi.flash_attention
-(key j at kv_offset + j), so each view must be contiguous in position:
-- full layers: the buffer itself with kv_offset 0; unwritten slots hold positions after the
-  query, which causal masking hides.
-- rings, when the query at position p has filled the ring (p >= R - 1): rolled so the oldest
-  slot comes first, holding positions p-R+1 .. p (kv_offset p-R+1), all inside the window
-  since R <= window. Before that, slot j holds position j (kv_offset 0) and the empty slots
-  j > p are hidden by causality, exactly as in a full layer.
+Prefill chunks attend through the position-offset contract of jax_mila.ffi.flash_attention
+(key j at kv_offset + j), so each view they read is contiguous in position: a full layer's
+buffer itself (kv_offset 0; unwritten slots hold positions after every query, which causal
+masking hides), a ring layer's slab of ring and chunk (``chunk_update``).
+
+Decode steps read the buffers where they lie, through jax_mila.ffi.decode_attention: per row,
+its valid length (kv_len [B], the step's token included) says which slots count, and a ring
+(ring=True) is read in place, slot s holding the newest position p < kv_len with p % R == s;
+``decode_update`` only writes the step's keys, it never copies a ring into position order.
+A ring smaller than the window (the capacity is below it) never wraps: it is read as a full
+layer's buffer with the window.
+
+Rows of a batch may hold different lengths (``KVCache.length`` [B]: a prefill given
+``lengths``, right padding): a row's slots past its length hold padding or nothing, which
+decode_attention's kv_len hides, and a ring only ever receives a row's real keys.
 
 Chunked prefill (``chunk_update``) processes T > 1 tokens at positions p .. p+T-1 per step; see
 there for the slab a ring layer attends over.
@@ -39,10 +46,12 @@ from jax_mila.parallel.chunked import owned_segments
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Pytree of per-layer K/V buffers (None for KV-shared layers) and the filled length.
+    """Pytree of per-layer K/V buffers (None for KV-shared layers) and the filled lengths.
 
-    ``length`` is an int32 scalar: the number of positions already processed, i.e. the
-    position of the next token. ``max_len`` (static) is the capacity of full-layer buffers.
+    ``length`` is int32 [B]: row b holds positions 0 .. length[b] - 1, so length[b] is the
+    position of its next token. Rows of one prefill share it unless the prefill was given
+    ``lengths`` (prompts of different lengths, right padded); decode steps advance every row
+    by one. ``max_len`` (static) is the capacity of full-layer buffers.
     ``seq_layout`` (static): () when slot j of a full-layer buffer holds position j; (devices,
     segments) when a context-parallel prefill sharded those buffers by position in zig-zag
     segments (``sharded_chunk_update``, jax_mila.parallel.chunked; its
@@ -64,7 +73,8 @@ FULL_LAYER_DTYPES = (None, "float8_e4m3fn")  # None: the model's dtype
 
 
 def empty(cfg, batch: int, max_len: int, dtype, *, full_dtype=None, seq_layout=()) -> KVCache:
-    """A zero cache of capacity ``max_len`` at length 0 (the start of a chunked prefill);
+    """A zero cache of capacity ``max_len``, every row at length 0 (the start of a chunked
+    prefill);
     full-attention layers' buffers in ``full_dtype`` when given (see the module docstring);
     ``seq_layout`` as in KVCache (the buffers' shapes do not change with it)."""
     if full_dtype is not None and jnp.dtype(full_dtype) == jnp.dtype(dtype):
@@ -92,7 +102,7 @@ def _zero_buffers(cfg, batch: int, max_len: int, dtype, full_dtype):
         shape = (batch, slots, spec.num_kv_heads, spec.head_dim)
         buf = dtype if spec.is_sliding or full_dtype is None else full_dtype
         keys.append(jnp.zeros(shape, buf)), values.append(jnp.zeros(shape, buf))
-    return tuple(keys), tuple(values), jnp.int32(0)
+    return tuple(keys), tuple(values), jnp.zeros((batch,), jnp.int32)
 
 
 def prefill_entry(k: jax.Array, v: jax.Array, *, ring: int | None, max_len: int):
@@ -119,29 +129,54 @@ def set_rows(buf: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
     return buf.at[:, slots].set(rows, mode="drop", unique_indices=True)
 
 
-def decode_update(k_buf, v_buf, k, v, pos, *, ring: bool):
-    """Writes one step's k, v [B, 1, H, D] at position ``pos`` (traced int32) and returns
-    (k_buf, v_buf, k_view, v_view, kv_offset) for attention over the cache."""
+def set_rows_per_row(buf: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
+    """set_rows with each row's own slots: rows [B, n, H, D] written at slots [B, n]; slots of
+    a row distinct (dropped ones included), as set_rows asks."""
+    b = jnp.arange(buf.shape[0], dtype=jnp.int32)[:, None]
+    return buf.at[b, slots].set(rows, mode="drop", unique_indices=True)
+
+
+def chunk_start(length: jax.Array) -> jax.Array:
+    """The position of a prefill chunk on a cache of row lengths ``length`` [B]: every row's
+    chunk tokens sit at the same positions (right padding), after the longest row's tokens so
+    far (a row whose prompt ended in an earlier chunk only gets padding, never cached)."""
+    return jnp.max(length).astype(jnp.int32)
+
+
+def decode_reads_ring(slots: int, window: int | None) -> bool:
+    """Whether decode reads a layer's buffer of ``slots`` as a ring (decode_attention's
+    ``ring``): a sliding layer's ring of a whole window. A ring cut to a capacity below the
+    window never wraps (every position is below the capacity): slot s holds position s, as in
+    a full layer's buffer, and the window still applies."""
+    return window is not None and slots >= window
+
+
+def decode_update(k_buf, v_buf, k, v, length, *, ring: bool):
+    """Writes one step's k, v [B, 1, H, D] of every row at its own position ``length`` [B]
+    (traced int32; slot length[b] % R in a ring of R slots) and returns (k_buf, v_buf).
+
+    One scatter per buffer with one (row, slot) pair per row, all distinct (set_rows' note);
+    a position past a full layer's capacity is dropped (decode checks the capacity first).
+    Nothing is copied: attention reads the ring in place (decode_attention's ``ring``)."""
     if k.shape[1] != 1:
         raise ValueError(f"decode steps take one token at a time, got k{list(k.shape)}")
     size = k_buf.shape[1]
-    slot = pos % size if ring else pos
-    start = (0, slot, 0, 0)
-    k_buf = jax.lax.dynamic_update_slice(k_buf, k.astype(k_buf.dtype), start)
-    v_buf = jax.lax.dynamic_update_slice(v_buf, v.astype(v_buf.dtype), start)
-    if not ring:
-        return k_buf, v_buf, k_buf, v_buf, jnp.int32(0)
-    filled = pos >= size - 1
-    shift = jnp.where(filled, (pos + 1) % size, 0)
-    kv_offset = jnp.maximum(pos - size + 1, 0).astype(jnp.int32)
-    return (k_buf, v_buf, jnp.roll(k_buf, -shift, axis=1), jnp.roll(v_buf, -shift, axis=1),
-            kv_offset)
+    slot = length % size if ring else length
+    rows = jnp.arange(k_buf.shape[0], dtype=jnp.int32)
+
+    def write(buf, x):
+        return buf.at[rows, slot].set(x[:, 0].astype(buf.dtype), mode="drop",
+                                      unique_indices=True)
+
+    return write(k_buf, k), write(v_buf, v)
 
 
 def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool, first: bool = False):
     """One prefill chunk: k, v [B, T, H, D] at positions pos .. pos+T-1 (pos traced), of which
     the first ``valid`` (traced) are real tokens and the rest padding of the last chunk.
-    Returns (k_buf, v_buf, k_view, v_view, kv_offset) like ``decode_update``.
+    ``valid`` is a scalar, or [B] when the rows' prompts have different lengths (then row b's
+    first valid[b] tokens are real, possibly none). Returns (k_buf, v_buf, k_view, v_view,
+    kv_offset), the view and kv_offset in flash_attention's position contract.
 
     ``first`` (static): the caller promises pos == 0, the prompt's first chunk on an empty
     cache. A ring layer then attends over the chunk's own keys, as a one-shot prefill does: the
@@ -151,7 +186,10 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool, first: bool = Fa
     after the chunk holds exactly what a one-shot prefill of the real tokens would.
 
     Full layers: the chunk goes to slots pos .. pos+valid-1 and attention reads the whole buffer
-    (kv_offset 0); unwritten slots and the chunk's padding lie after every real query.
+    (kv_offset 0); unwritten slots and the chunk's padding lie after every real query. With
+    valid [B] the slots go up to the longest row's: a shorter row's padding lands past its
+    length, where causality hides it from its real queries and decode's kv_len from its
+    decode steps (each step overwrites the slot it reads first).
 
     Rings of R slots: the chunk needs positions pos-W+1 .. pos+T-1 and the ring holds the last
     n = min(pos, R) positions before the chunk (R = W, or R = capacity < W and then the ring
@@ -171,8 +209,10 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool, first: bool = Fa
     t, size = k.shape[1], k_buf.shape[1]
     k, v = k.astype(k_buf.dtype), v.astype(v_buf.dtype)
     i = jnp.arange(t, dtype=jnp.int32)
+    per_row = jnp.ndim(valid) == 1
     if not ring:
-        slots = jnp.where(i < valid, pos + i, size + i)  # >= size: dropped (all distinct)
+        written = jnp.max(valid) if per_row else valid
+        slots = jnp.where(i < written, pos + i, size + i)  # >= size: dropped (all distinct)
         k_buf, v_buf = set_rows(k_buf, slots, k), set_rows(v_buf, slots, v)
         return k_buf, v_buf, k_buf, v_buf, jnp.int32(0)
     if first:  # pos == 0: the ring is empty and the chunk is its own view
@@ -202,11 +242,20 @@ def chunk_update(k_buf, v_buf, k, v, pos, valid, *, ring: bool, first: bool = Fa
     # slots are distinct (m <= R consecutive positions; the dropped ones R + j).
     m = min(t, size)
     j = jnp.arange(m, dtype=jnp.int32)
-    src = valid - m + j  # chunk token of update row j
-    slots = jnp.where(src >= 0, (pos + src) % size, size + j)
-    rows = n + jnp.maximum(src, 0)  # where chunk token src sits in the view
-    k_buf = set_rows(k_buf, slots, jnp.take(k_view, rows, axis=1))
-    v_buf = set_rows(v_buf, slots, jnp.take(v_view, rows, axis=1))
+    if per_row:
+        # The same per row, from its own valid[b]: a row's padding never reaches its ring (it
+        # would overwrite the row's last real keys); [B, m] slots, distinct within each row.
+        src = valid[:, None] - m + j[None, :]
+        slots = jnp.where(src >= 0, (pos + src) % size, size + j[None, :])
+        rows = (n + jnp.maximum(src, 0))[:, :, None, None]
+        k_buf = set_rows_per_row(k_buf, slots, jnp.take_along_axis(k_view, rows, axis=1))
+        v_buf = set_rows_per_row(v_buf, slots, jnp.take_along_axis(v_view, rows, axis=1))
+    else:
+        src = valid - m + j  # chunk token of update row j
+        slots = jnp.where(src >= 0, (pos + src) % size, size + j)
+        rows = n + jnp.maximum(src, 0)  # where chunk token src sits in the view
+        k_buf = set_rows(k_buf, slots, jnp.take(k_view, rows, axis=1))
+        v_buf = set_rows(v_buf, slots, jnp.take(v_view, rows, axis=1))
     # Attention reads the views only once the ring is written: the writes feed nothing but the
     # step's outputs, so XLA:GPU's scheduler would put every layer's at the end of the step,
     # each holding its chunk K/V until then. Full layers need no barrier: their view is the

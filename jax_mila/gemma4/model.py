@@ -229,12 +229,14 @@ class PieceRunner:
     rope: tuple  # (layer type, RopeSpec) pairs
     dtype: Any
 
-    def __call__(self, modules, x, entries, *, offset, valid, max_len, first_chunk):
+    def __call__(self, modules, x, entries, *, lengths, valid, max_len, first_chunk):
         """``modules`` (embedding or None, layers): x is the chunk's token ids where the piece
-        has the embedding, else the hidden state before its first layer. Returns (the hidden
-        state after its last layer, its layers' new cache entries)."""
+        has the embedding, else the hidden state before its first layer; ``lengths``: the
+        cache's (KVCache.length). Returns (the hidden state after its last layer, its layers'
+        new cache entries)."""
         embed, layers = modules
         h = embed(x) if embed is not None else x
+        offset = kv.chunk_start(lengths)
         positions = offset + jnp.arange(h.shape[1], dtype=jnp.int32)
         tables = {layer_type: rope_tables(spec, positions, self.dtype)
                   for layer_type, spec in self.rope}
@@ -304,11 +306,12 @@ class Gemma4ForCausalLM(nnx.Module):
         """Runs the decoder stack. Returns (hidden [B, T, H] before the final norm, new cache).
 
         mode "full": no cache. "prefill": positions from 0, returns a new KVCache with capacity
-        ``max_len``. "decode": one token per sequence at position ``cache.length``. "chunk": a
-        prefill chunk at positions cache.length + arange(T) whose first ``valid`` (traced)
-        tokens are real; the returned cache's length grows by ``valid``. ``first_chunk``
-        (static, mode "chunk"): the caller promises cache.length == 0, so the sliding layers
-        attend over the chunk's own keys (cache.chunk_update's ``first``).
+        ``max_len``. "decode": one token per row, row b's at position ``cache.length[b]``.
+        "chunk": a prefill chunk at positions p + arange(T), p = max(cache.length)
+        (cache.chunk_start), whose first ``valid`` (traced; a scalar, or [B] for rows of
+        different lengths) tokens are real; the returned cache's lengths grow by ``valid``.
+        ``first_chunk`` (static, mode "chunk"): the caller promises cache.length == 0, so the
+        sliding layers attend over the chunk's own keys (cache.chunk_update's ``first``).
 
         ``layout`` (jax_mila.parallel.Layout): how the step that traces this call splits its
         work over the mesh (inside jax.shard_map); the default is one device. With seq_split
@@ -326,14 +329,22 @@ class Gemma4ForCausalLM(nnx.Module):
         input_ids = jnp.asarray(input_ids, jnp.int32)
         t = input_ids.shape[1]
         cached = mode in ("decode", "chunk")
-        offset = cache.length if cached else jnp.int32(0)
+        if mode == "decode":  # each row at its own position
+            offset = cache.length
+        elif mode == "chunk":
+            offset = kv.chunk_start(cache.length)
+        else:
+            offset = jnp.int32(0)
         max_len = cache.max_len if cached else max_len
         valid = t if valid is None else valid
         if layout.seq_split == ZIGZAG and mode != "full":
             raise ValueError(f"context parallelism runs mode 'full' only, got {mode!r}")
         if layout.seq_split == CHUNK and mode != "chunk":
             raise ValueError(f"chunked context parallelism runs mode 'chunk' only, got {mode!r}")
-        positions = layout.positions(offset, t)
+        if mode == "decode":
+            positions = offset[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+        else:
+            positions = layout.positions(offset, t)
         h = self.embed_tokens(input_ids)
         ple = self.per_layer_inputs(input_ids, h) if cfg.has_ple else None
         tables = {lt: rope_tables(spec, positions, self.dtype) for lt, spec in cfg.rope.items()}
@@ -347,8 +358,12 @@ class Gemma4ForCausalLM(nnx.Module):
             return_layers=return_layers, layout=layout, routing_out=routing)
         keys = [e[0] if e is not None else None for e in new_entries]
         values = [e[1] if e is not None else None for e in new_entries]
+        if mode == "prefill":
+            length = jnp.full((input_ids.shape[0],), t, jnp.int32)
+        elif cached:  # a row whose prompt ended in an earlier chunk has valid 0 here
+            length = cache.length + valid
         new_cache = None if mode == "full" else KVCache(
-            keys=tuple(keys), values=tuple(values), length=offset + valid, max_len=max_len,
+            keys=tuple(keys), values=tuple(values), length=length, max_len=max_len,
             seq_layout=cache.seq_layout if cached else ())
         extra = (jnp.stack(layer_outputs),) if return_layers else ()
         if return_routing:

@@ -39,17 +39,20 @@ def inv_freq(spec: RopeSpec) -> np.ndarray:
 
 
 def rope_tables(spec: RopeSpec, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [T, head_dim] for int positions [T], rounded to ``dtype``."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq(spec))[None, :]
+    """cos, sin [T, head_dim] for int positions [T] shared by the batch's rows, or
+    [B, T, head_dim] for positions [B, T] of each row (decode steps of rows at different
+    lengths), rounded to ``dtype``."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(spec))
     emb = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [B, T, H, D] rotated with cos/sin [T, D]: x * cos + rotate_half(x) * sin."""
+    """x [B, T, H, D] rotated with cos/sin [T, D] (or [B, T, D] per row): x * cos +
+    rotate_half(x) * sin."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = cos[..., None, :], sin[..., None, :]  # over the heads; [T, 1, D] broadcasts
     return (x * cos + rotated * sin).astype(x.dtype)
 
 
@@ -82,7 +85,17 @@ def norm_rope(norm, x: jax.Array, cos: jax.Array, sin: jax.Array, *, backend: st
     ``weight`` [D] (bf16 or float32), if given, replaces the norm's own weight on both paths
     (Gemma 4's K=V layers norm q with k_norm's weight folded in: jax_mila/gemma4/attention.py);
     the norm's eps stays. As in nn.rms_norm, it multiplies in float32 and the normed values are
-    rounded once to x's dtype."""
+    rounded once to x's dtype.
+
+    cos, sin [B, T, D] (each row's own positions): the fused op takes one table row per token,
+    so x goes to it as one sequence of B T tokens, [1, B T, H, D], and comes back as
+    [B, T, H, D] (norm and RoPE are per token; the same values)."""
+    if cos.ndim == 3:
+        b, t = x.shape[:2]
+        flat = lambda a: a.reshape((1, b * t) + a.shape[2:])  # noqa: E731
+        out = norm_rope(norm, flat(x), cos.reshape(b * t, -1), sin.reshape(b * t, -1),
+                        backend=backend, weight=weight)
+        return out.reshape(x.shape)
     if backend != "reference":
         w = weight if weight is not None else (norm.weight[...] if norm.with_scale else None)
         reason = fused_unsupported_reason(x, w, cos)

@@ -13,6 +13,10 @@ Backends:
   and the reference elsewhere. The kernels exist only for bf16 and head dims 256 / 512, so any
   other call (tiny test configs, float32 models) falls back to the reference, logging why
   once per reason (jax_mila.ffi._registry.log_fallback).
+
+``Attention.decode`` is the decode steps' attention over a KV cache (per-row lengths, a
+sliding ring read in place, an FP8 cache read as stored): jax_mila.ffi.decode_attention or
+jax_mila.reference.decode_attention, picked the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +27,14 @@ import numpy as np
 from flax import nnx
 
 from jax_mila import ffi, reference
+from jax_mila.ffi import _checks
 from jax_mila.ffi import attention as ffi_attention
+# (jax_mila.ffi's decode_attention is the op; its module's constants are imported by name)
+from jax_mila.ffi.decode_attention import CACHE_DTYPES as DECODE_CACHE_DTYPES
+from jax_mila.ffi.decode_attention import HEAD_DIMS as DECODE_HEAD_DIMS
+from jax_mila.ffi.decode_attention import MAX_GROUPS as DECODE_MAX_GROUPS
+from jax_mila.ffi.decode_attention import MAX_NEW_TOKENS as DECODE_MAX_NEW_TOKENS
+from jax_mila.ffi.decode_attention import OP as DECODE_OP
 from jax_mila.ffi._checks import is_int
 from jax_mila.ffi._registry import log_fallback
 from jax_mila.nn.backend import check_backend
@@ -55,6 +66,47 @@ def kernel_unsupported_reason(q: jax.Array, k: jax.Array, v: jax.Array,
     if kv_segments > 1 and d != 512:
         return f"{kv_segments} key segments at head_dim={d} (segmented keys: head_dim 512 only)"
     return None
+
+
+def decode_kernel_unsupported_reason(q: jax.Array, k: jax.Array, v: jax.Array) -> str | None:
+    """Why jax_mila.ffi.decode_attention cannot take this decode call (one that passed
+    check_decode_arguments), or None; the reasons name the configuration, never a length."""
+    d = q.shape[-1]
+    if d not in DECODE_HEAD_DIMS:
+        return f"head_dim={d} (the kernel takes head_dim in {DECODE_HEAD_DIMS})"
+    if jnp.dtype(q.dtype) != jnp.dtype(jnp.bfloat16):
+        return f"q dtype {jnp.dtype(q.dtype).name} (the kernel takes bfloat16 q)"
+    names = tuple(jnp.dtype(t).name for t in DECODE_CACHE_DTYPES)
+    if jnp.dtype(k.dtype).name not in names or k.dtype != v.dtype:
+        return (f"cache dtype {jnp.dtype(k.dtype).name}/{jnp.dtype(v.dtype).name} (the kernel "
+                f"takes k and v of one dtype in {names})")
+    if q.shape[1] > DECODE_MAX_NEW_TOKENS:
+        return f"more than {DECODE_MAX_NEW_TOKENS} new tokens per row"
+    if q.shape[2] // k.shape[2] > DECODE_MAX_GROUPS:
+        return (f"{q.shape[2]} query heads over {k.shape[2]} KV heads (the kernel takes at most "
+                f"{DECODE_MAX_GROUPS} per KV head)")
+    return None
+
+
+def check_decode_arguments(op: str, q, k, v, kv_len, scale, window, ring: bool,
+                           rotary_keys_only) -> None:
+    """The checks of the decode_attention contract that every backend needs (the reference
+    would compute something else without them): flash_attention's shape, scale and window
+    checks, kv_len [B] of integers, and a ring with a window and at least W + T - 1 slots (else
+    a query's keys were overwritten by newer ones)."""
+    ffi_attention.check_arguments(op, q, k, v, scale, True, window, 0, 0, rotary_keys_only)
+    b, t = q.shape[:2]
+    if np.shape(kv_len) != (b,) or not jnp.issubdtype(jnp.result_type(kv_len), jnp.integer):
+        _checks.fail(op, "kv_len", f"must be integer [B] = [{b}] (one length per row), got "
+                                   f"{jnp.result_type(kv_len)} of shape {list(np.shape(kv_len))}")
+    if not isinstance(ring, bool):
+        _checks.fail(op, "ring", f"must be a bool, got {ring!r}")
+    if ring and window is None:
+        _checks.fail(op, "ring", "a ring of slots holds a sliding window: pass window")
+    if ring and k.shape[1] < window + t - 1:
+        _checks.fail(op, "ring", f"{k.shape[1]} slots cannot hold the keys of {t} new tokens "
+                                 f"with window {window} (needs >= window + T - 1 = "
+                                 f"{window + t - 1})")
 
 
 class Attention(nnx.Module):
@@ -102,3 +154,27 @@ class Attention(nnx.Module):
                 return ffi.flash_attention(q, k, v, **kwargs)
             log_fallback(ffi_attention.OP, reason)
         return reference.flash_attention(q, k, v, **kwargs)
+
+    def decode(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array, *,
+               window: int | None = None, ring: bool = False) -> jax.Array:
+        """o [B, T, Hq, D]: each row's T newest queries (already in the cache) over its cache
+        k, v [B, S, Hkv, D] (the model's dtype or float8_e4m3fn, read as it is stored), row b
+        holding kv_len[b] tokens; ``ring``: the slots are a sliding window's ring, read in
+        place (the contract of jax_mila.ffi.decode_attention).
+
+        As __call__ picks flash_attention: "reference" runs jax_mila.reference.decode_attention;
+        "mila" / "auto" jax_mila.ffi.decode_attention (its kernel where built, else its
+        reference) where the kernel takes the call, else the reference, logging why once per
+        configuration. ``rotary_keys_only`` applies as in __call__."""
+        op = "nn.Attention.decode"
+        check_decode_arguments(op, q, k, v, kv_len, self.scale, window, ring,
+                               self.rotary_keys_only)
+        kv_len = jnp.asarray(kv_len, jnp.int32)
+        kwargs = dict(scale=self.scale, window=window, ring=ring,
+                      rotary_keys_only=self.rotary_keys_only)
+        if self.backend != "reference":
+            reason = decode_kernel_unsupported_reason(q, k, v)
+            if reason is None:
+                return ffi.decode_attention(q, k, v, kv_len, **kwargs)
+            log_fallback(DECODE_OP, reason)
+        return reference.decode_attention(q, k, v, kv_len, **kwargs)

@@ -84,11 +84,26 @@ class Layout:
                                      axis=self.seq_axis, segments=self.segments)
         return attn(q, k, v, window=window, q_offset=q_offset, kv_offset=kv_offset)
 
+    def attend_cache(self, q, k, v, attn, *, kv_len, window, ring: bool):
+        """A decode step's queries q over the cache buffers k, v as they lie (attn.decode:
+        per-row lengths ``kv_len`` [B], a ring read in place). Per device: under tensor
+        parallelism each device holds its heads' queries and cache; a cache split by position
+        (seq_axis) is not decoded (decode takes a cache in position order)."""
+        if self.seq_split is not None:
+            raise ValueError(f"decode attention over a cache split by position is not "
+                             f"supported (Layout seq_split={self.seq_split!r})")
+        return attn.decode(q, k, v, kv_len, window=window, ring=ring)
+
     def last_real_token(self, h: jax.Array, valid) -> jax.Array:
         """The hidden state [B, H] of token `valid` - 1 of a chunk whose states h [B, T, H]
-        this device holds (its slice of them with seq_split "chunk"), on every device."""
+        this device holds (its slice of them with seq_split "chunk"), on every device.
+        ``valid`` [B] (rows of different lengths; not with a seq_split): row b's token
+        valid[b] - 1, the chunk's first for a row with none in it."""
         if self.seq_split == CHUNK:
             return chunked.last_real_token(h, valid, self.seq_axis)
+        if jnp.ndim(valid) == 1:
+            index = jnp.clip(valid - 1, 0, h.shape[1] - 1)[:, None, None]
+            return jnp.take_along_axis(h, index, axis=1)[:, 0]
         return jax.lax.dynamic_index_in_dim(h, valid - 1, axis=1, keepdims=False)
 
 
