@@ -83,7 +83,7 @@ run_entry() {  # entry, log, timeout[, "base": the BASE tree's script on its own
   fi
   echo "== ${4:+[$4] }${envs[*]} ${words[*]}" >> "$2"
   if [ "${words[0]}" = pytest ]; then
-    cmd=(python3 -m pytest -q -p no:cacheprovider -rfs "${words[@]:1}")
+    cmd=(python3 -m pytest -q -p no:cacheprovider -o addopts= -rfs "${words[@]:1}")
     cmd=("${cmd[@]/#tests/$root/tests}")
   else
     cmd=(python3 "$root/${words[0]}" "${words[@]:1}")
@@ -128,9 +128,11 @@ step "tests: $TESTS"
 # TEST_XLA_FLAGS (e.g. --xla_gpu_autotune_level=0) shortens XLA compiles in the tests only;
 # the benchmarks keep XLA's defaults so its numbers are its best.
 # A kernel whose barriers deadlock hangs rather than fails: the tests run under a timeout.
+# -o addopts=: pyproject's -n auto needs pytest-xdist, which the GPU images lack; one process
+# owns the GPU anyway (tests/conftest.py).
 if [ -n "$TESTS" ]; then
   (cd "$REPO"; eval "args=($TESTS)"; cd /tmp; XLA_FLAGS="${TEST_XLA_FLAGS:-${XLA_FLAGS:-}}" \
-     timeout "${TEST_TIMEOUT:-1200}" python3 -m pytest -q -p no:cacheprovider -rfs \
+     timeout "${TEST_TIMEOUT:-1200}" python3 -m pytest -q -p no:cacheprovider -o addopts= -rfs \
      "${args[@]/#tests/$REPO/tests}") > "$OUT/tests.log" 2>&1 || status=1
   tail -15 "$OUT/tests.log"
 fi

@@ -31,6 +31,7 @@ if not _cuda_plugin_installed() and EXPENSIVE_PASSES_FLAG not in os.environ.get(
                                + EXPENSIVE_PASSES_FLAG + "=true").strip()
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; absent without it (-o addopts=-ra)
 def pytest_xdist_auto_num_workers(config):
     """Workers of ``-n auto`` (pyproject.toml's addopts): one per core up to 4 on a machine
     without a GPU, where XLA:CPU compiles most of the suite's time away on one thread each;
