@@ -2,6 +2,8 @@
 
 import importlib.util
 import os
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -29,6 +31,27 @@ EXPENSIVE_PASSES_FLAG = "--xla_llvm_disable_expensive_passes"
 if not _cuda_plugin_installed() and EXPENSIVE_PASSES_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " "
                                + EXPENSIVE_PASSES_FLAG + "=true").strip()
+
+
+# One persistent XLA compilation cache for the session, shared by the worker processes (they
+# inherit the variable from the controller, which loads this file first): the modules build
+# the same small models and compile the same steps again after _fresh_jax_caches, and workers
+# repeat what the other compiled. Off where a GPU is installed (compiles there depend on the
+# device and the tests measure nothing of it) or when JAX_COMPILATION_CACHE_DIR is set.
+_CACHE_ENV = "JAX_MILA_TEST_XLA_CACHE"
+if (not _cuda_plugin_installed() and "JAX_COMPILATION_CACHE_DIR" not in os.environ
+        and os.environ.get(_CACHE_ENV) != "off"):
+    if _CACHE_ENV not in os.environ:
+        os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="jax_mila_tests_xla_")
+    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    cache = os.environ.get(_CACHE_ENV)
+    if cache and cache != "off" and not hasattr(session.config, "workerinput"):
+        shutil.rmtree(cache, ignore_errors=True)  # the controller, after every worker ended
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; absent without it (-o addopts=-ra)
