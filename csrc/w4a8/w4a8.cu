@@ -250,31 +250,41 @@ int64_t W4A8RequiredWorkspace(W4A8Variant variant, const W4A8Args& args) {
   return variant == W4A8Variant::kWgmmaWsE4m3 ? W4A8ExpandBytes(args.n, args.kp) : 0;
 }
 
+const char* W4A8KernelPtxVersion(const void* kernel, std::atomic<int>* cache, int* version) {
+  *version = 0;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kW4A8MaxDevices) {
+    cudaGetLastError();
+    return "cannot tell which device runs the call";
+  }
+  // The answer depends on the build and the GPU; -1: no code for this device.
+  int v = cache[device].load(std::memory_order_relaxed);
+  if (v == 0) {
+    cudaFuncAttributes attr{};
+    if (cudaFuncGetAttributes(&attr, kernel) == cudaSuccess) {
+      v = attr.ptxVersion;
+    } else {
+      cudaGetLastError();  // not sticky: keep it out of the handler's launch check
+      v = -1;
+    }
+    cache[device].store(v, std::memory_order_relaxed);
+  }
+  if (v < 0) return "this build has no code for this device";
+  *version = v;
+  return nullptr;
+}
+
 const char* W4A8CodeProblem(W4A8Variant variant, int cc, int* compiled_for) {
   *compiled_for = 0;
   if (variant == W4A8Variant::kGemv) return W4A8GemvCodeProblem(compiled_for);
   if (variant != W4A8Variant::kMmaSync) {  // the device's 9.0 is the handler's own check
     return kBuildHasSm90a ? nullptr : "the wgmma kernels need sm_90a code, which this build lacks";
   }
-  // Asked once per device (the answer depends on the build and the GPU); -1: no code for it.
-  static std::atomic<int> ptx_version[64] = {};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) {
-    cudaGetLastError();
-    return "cannot tell which device runs the call";
-  }
-  int version = ptx_version[device].load(std::memory_order_relaxed);
-  if (version == 0) {
-    cudaFuncAttributes attr{};
-    if (cudaFuncGetAttributes(&attr, mma::w4a8_mma_kernel<float, false>) == cudaSuccess) {
-      version = attr.ptxVersion;
-    } else {
-      cudaGetLastError();  // not sticky: keep it out of the handler's launch check
-      version = -1;
-    }
-    ptx_version[device].store(version, std::memory_order_relaxed);
-  }
-  if (version < 0) return "this build has no code for this device";
+  static std::atomic<int> ptx_version[kW4A8MaxDevices] = {};
+  int version = 0;
+  const char* problem = W4A8KernelPtxVersion(
+      reinterpret_cast<const void*>(mma::w4a8_mma_kernel<float, false>), ptx_version, &version);
+  if (problem != nullptr) return problem;
   *compiled_for = version;
   return version >= kW4A8MinComputeCapability
              ? nullptr

@@ -318,12 +318,10 @@ cudaError_t Launch(const W4A8Args& args, const W4A8GemvPlan& plan, cudaStream_t 
   return cudaGetLastError();
 }
 
-constexpr int kMaxDevices = 64;
-
 int DeviceSms() {
-  static std::atomic<int> sms[kMaxDevices] = {};
+  static std::atomic<int> sms[kW4A8MaxDevices] = {};
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kW4A8MaxDevices) {
     cudaGetLastError();
     return 0;
   }
@@ -361,25 +359,11 @@ cudaError_t LaunchW4A8Gemv(const W4A8Args& args, cudaStream_t stream) {
 
 const char* W4A8GemvCodeProblem(int* compiled_for) {
   *compiled_for = 0;
-  // Asked once per device; -1: no code for it.
-  static std::atomic<int> ptx_version[gemv::kMaxDevices] = {};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= gemv::kMaxDevices) {
-    cudaGetLastError();
-    return "cannot tell which device runs the call";
-  }
-  int version = ptx_version[device].load(std::memory_order_relaxed);
-  if (version == 0) {
-    cudaFuncAttributes attr{};
-    if (cudaFuncGetAttributes(&attr, gemv::w4a8_gemv_kernel<float, 1>) == cudaSuccess) {
-      version = attr.ptxVersion;
-    } else {
-      cudaGetLastError();  // not sticky: keep it out of the handler's launch check
-      version = -1;
-    }
-    ptx_version[device].store(version, std::memory_order_relaxed);
-  }
-  if (version < 0) return "this build has no code for this device";
+  static std::atomic<int> ptx_version[kW4A8MaxDevices] = {};
+  int version = 0;
+  const char* problem = W4A8KernelPtxVersion(
+      reinterpret_cast<const void*>(gemv::w4a8_gemv_kernel<float, 1>), ptx_version, &version);
+  if (problem != nullptr) return problem;
   *compiled_for = version;
   return version >= 80 ? nullptr : "the GEMV needs code compiled for compute_80 or newer";
 }

@@ -22,6 +22,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 namespace mila {
@@ -193,6 +194,11 @@ inline int64_t W4A8GemvWorkspaceBytes(const W4A8GemvPlan& p) {
 cudaError_t LaunchW4A8Gemv(const W4A8Args& args, cudaStream_t stream);
 // Why this build cannot run the GEMV on the current device, or nullptr (as W4A8CodeProblem).
 const char* W4A8GemvCodeProblem(int* compiled_for);
+// The PTX version (10 * major + minor) of the code `kernel` has for the current device, asked
+// once per device and kept in `cache` (kW4A8MaxDevices slots, zero-initialized): nullptr with
+// *version set, or why it cannot tell (no code for this device, no current device).
+constexpr int kW4A8MaxDevices = 64;
+const char* W4A8KernelPtxVersion(const void* kernel, std::atomic<int>* cache, int* version);
 
 // The least workspace the e4m3 instance takes: the expanded weights and their alignment.
 inline int64_t W4A8ExpandBytes(int n, int kp) {
