@@ -28,12 +28,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import statistics
 import sys
 import time
 
 from jax_mila.bench import prefill as _prefill
+from jax_mila.bench import timing
 
 GiB = 2**30
 BACKENDS = ("mila", "reference", "transformers")
@@ -252,10 +252,7 @@ def main(argv=None, *, prog: str = "benchmarks/decode.py") -> list[dict]:
                                     summary=_summary)
     print()
     print(report(rows))
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "decode.json"), "w") as f:
-            json.dump(dict(args=vars(args), rows=rows), f, indent=1)
+    timing.write_json("decode", dict(args=vars(args), rows=rows))
     return rows
 
 

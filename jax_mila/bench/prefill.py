@@ -66,6 +66,8 @@ import tempfile
 import threading
 import time
 
+from jax_mila.bench import timing
+
 GiB = 2**30
 BACKENDS = ("mila", "reference", "transformers")
 DEFAULT_SEQS = (4096, 8192, 16384, 32768, 65536)
@@ -671,10 +673,7 @@ def main(argv=None, *, prog: str = "benchmarks/prefill.py") -> list[dict]:
             print(f"  {_label(spec)}: {time.perf_counter() - t:.0f} s", flush=True)
     print()
     print(report(rows, args.backends, args.seqs))
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "prefill.json"), "w") as f:
-            json.dump(dict(args=vars(args), rows=rows), f, indent=1)
+    timing.write_json("prefill", dict(args=vars(args), rows=rows))
     return rows
 
 
