@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -359,13 +357,7 @@ class DecodeAttentionGpuTest(parameterized.TestCase):
                 assert np.abs(got - want).max() < 2e-2, (lens, np.abs(got - want).max())
             print("CHILD OK")
         """ % os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ)
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                            " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
-                            " --xla_gpu_graph_min_graph_size=1")
-        res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                             text=True, timeout=300)
-        self.assertIn("CHILD OK", res.stdout, res.stderr[-3000:])
+        testing.assert_child_ok_in_cuda_graphs(self, script)
 
     def test_vmap(self):
         seed = _fresh_seed()

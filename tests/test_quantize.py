@@ -5,8 +5,6 @@ the quantizer of a decoder layer's RMS norms, each against a numpy interval orac
 import functools
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import textwrap
 
@@ -168,14 +166,7 @@ class KernelTest(parameterized.TestCase):
                 assert np.all(d <= np.maximum(np.abs(np.asarray(q_ref, np.float32)) / 8, 2**-9))
                 print("CHILD OK")
             """)
-            env = dict(os.environ)
-            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                                " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
-                                " --xla_gpu_graph_min_graph_size=1"
-                                f" --xla_dump_to={dump}")
-            res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                                 text=True, timeout=300)
-            self.assertIn("CHILD OK", res.stdout, res.stderr[-3000:])
+            testing.assert_child_ok_in_cuda_graphs(self, script, f"--xla_dump_to={dump}")
             # Newer XLA forms command buffers on the thunk sequence, after HLO optimisation,
             # so look through every dump (HLO and thunk sequences alike).
             dumped = ""
@@ -915,13 +906,7 @@ class NormKernelTest(parameterized.TestCase):
             assert p is None, p
             print("CHILD OK")
         """ % os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ)
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                            " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
-                            " --xla_gpu_graph_min_graph_size=1")
-        res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                             text=True, timeout=300)
-        self.assertIn("CHILD OK", res.stdout, res.stderr[-3000:])
+        testing.assert_child_ok_in_cuda_graphs(self, script)
 
     def test_vmap(self):
         x, branch, wb, wn = norm_inputs((3, 7, 64))

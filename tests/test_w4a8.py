@@ -11,8 +11,6 @@ import functools
 import itertools
 import os
 import re
-import subprocess
-import sys
 import textwrap
 from unittest import mock
 
@@ -1002,13 +1000,7 @@ class W4A8GemvTest(_KernelTestBase):
                 assert err < 2e-6, (seed, err)
             print("CHILD OK")
         """ % os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ)
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                            " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
-                            " --xla_gpu_graph_min_graph_size=1")
-        res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                             text=True, timeout=300)
-        self.assertIn("CHILD OK", res.stdout, res.stderr[-3000:])
+        testing.assert_child_ok_in_cuda_graphs(self, script)
 
     def test_handler_refuses_what_the_wrapper_would(self):
         # The custom call past every Python check: INVALID_ARGUMENT, no launch.

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -90,3 +92,21 @@ def load_script(path: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# XLA flags that put every fusion and custom call of a jitted program into CUDA graphs
+# (command buffers), from one op on.
+CUDA_GRAPH_XLA_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
+                        " --xla_gpu_graph_min_graph_size=1")
+
+
+def assert_child_ok_in_cuda_graphs(test, script: str, extra_xla_flags: str = "") -> None:
+    """Runs ``script`` (Python source that prints "CHILD OK" at its end) in a fresh process
+    whose XLA captures the custom calls into CUDA graphs (XLA reads its flags once per
+    process), and fails ``test`` with the child's stderr unless it printed that."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(f for f in (env.get("XLA_FLAGS", ""), CUDA_GRAPH_XLA_FLAGS,
+                                            extra_xla_flags) if f)
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=300)
+    test.assertIn("CHILD OK", res.stdout, res.stderr[-3000:])
