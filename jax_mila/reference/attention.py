@@ -43,22 +43,29 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, q_offset=
                     kv_offset=0, return_lse=False, rotary_keys_only=None):
     if rotary_keys_only is not None:
         k = keys_except_rotary(k, v, rotary_keys_only)
-    batch, t, hq, d = q.shape
-    s, hkv = k.shape[1], k.shape[2]
-    groups = hq // hkv
-    scale = d**-0.5 if scale is None else scale
-
-    qg = q.reshape(batch, t, hkv, groups, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * jnp.float32(scale)
+    t, s = q.shape[1], k.shape[1]
     q_pos = jnp.asarray(q_offset, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
     starts = jnp.atleast_1d(jnp.asarray(kv_offset, jnp.int32))  # one per segment
     seg_len = s // starts.shape[0]
     k_pos = jnp.repeat(starts, seg_len) + jnp.tile(jnp.arange(seg_len, dtype=jnp.int32),
                                                    starts.shape[0])
     mask = visible_mask(q_pos, k_pos, causal=causal, window=window)
-    scores = jnp.where(mask, scores, -jnp.inf)
+    out, lse = masked_attention(q, k, v, mask, scale)
+    return (out, lse) if return_lse else out
 
+
+def masked_attention(q, k, v, mask, scale=None):
+    """(o [B, T, Hq, D] in q.dtype, float32 lse [B, Hq, T]) of q over k, v where ``mask``
+    (broadcast to [B, Hkv, G, T, S]: [T, S], or [B, 1, 1, T, S] per row) says which keys each
+    query sees; scores, softmax and PV in float32; rows with no visible key give zeros and
+    lse -inf. Query head n reads KV head n // (Hq // Hkv)."""
+    batch, t, hq, d = q.shape
+    hkv = k.shape[2]
+    groups = hq // hkv
+    scale = d**-0.5 if scale is None else scale
+    qg = q.reshape(batch, t, hkv, groups, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask, scores * jnp.float32(scale), -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     p = jnp.exp(scores - row_max)
@@ -68,7 +75,5 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, q_offset=
     inv = jnp.where(has_key, 1.0 / jnp.where(has_key, denom, 1.0), 0.0)
     out = out * jnp.transpose(inv, (0, 3, 1, 2))[..., None]
     out = out.reshape(batch, t, hq, d).astype(q.dtype)
-    if not return_lse:
-        return out
     lse = jnp.where(has_key, row_max[..., 0] + jnp.log(jnp.where(has_key, denom, 1.0)), -jnp.inf)
     return out, lse.reshape(batch, hq, t)

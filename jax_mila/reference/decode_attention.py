@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_mila.reference.attention import keys_except_rotary
+from jax_mila.reference.attention import keys_except_rotary, masked_attention
 
 
 def slot_positions(kv_len, s: int, *, ring: bool):
@@ -43,26 +43,13 @@ def decode_attention(q, k, v, kv_len, *, scale=None, window=None, ring=False,
                      rotary_keys_only=None):
     if rotary_keys_only is not None:
         k = keys_except_rotary(k, v, rotary_keys_only)
-    b, t, hq, d = q.shape
-    s, hkv = k.shape[1], k.shape[2]
-    groups = hq // hkv
-    scale = d**-0.5 if scale is None else scale
+    t, s = q.shape[1], k.shape[1]
     kv_len = jnp.asarray(kv_len, jnp.int32)
-
-    qg = q.astype(jnp.float32).reshape(b, t, hkv, groups, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32))
-    scores = scores * jnp.float32(scale)
     q_pos = kv_len[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]      # [B, T]
     k_pos = slot_positions(kv_len, s, ring=ring)                                # [B, S]
     diff = q_pos[:, :, None] - k_pos[:, None, :]                                # [B, T, S]
     mask = (k_pos[:, None, :] >= 0) & (diff >= 0)
     if window is not None:
         mask = mask & (diff < window)
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    m = jnp.max(scores, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(scores - m)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bkgts,bskd->btkgd", p / jnp.where(denom > 0, denom, 1.0),
-                   v.astype(jnp.float32))
-    return o.reshape(b, t, hq, d).astype(q.dtype)
+    # The cache may be FP8: its values in float32 (exact), the products and sums in float32.
+    return masked_attention(q, k.astype(jnp.float32), v, mask[:, None, None], scale)[0]
