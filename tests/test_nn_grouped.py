@@ -42,7 +42,8 @@ class GroupedLinearTest(parameterized.TestCase):
     def test_dense_is_each_rows_expert(self):
         layer = nn.GroupedLinear(IN, OUT, E, rngs=nnx.Rngs(1))
         self.assertEqual(layer.kernel.shape, (E, IN, OUT))
-        got = np.asarray(layer(self.x, self.sizes))
+        with jax.default_matmul_precision("highest"):  # not TF32 on a GPU
+            got = np.asarray(layer(self.x, self.sizes))
         w = np.asarray(layer.kernel[...], np.float64)
         ex = _expert_of_rows(self.sizes, 30)
         want = np.einsum("mi,mio->mo", np.asarray(self.x, np.float64), w[ex])
@@ -109,15 +110,20 @@ class ExpertsTest(parameterized.TestCase):
         idx = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
         idx[:5] = [0, 1]  # expert 5 may get nothing; 0 and 1 get several
         weights = jnp.asarray(rng.random((t, k)), jnp.float32)
-        got = np.asarray(experts(x, weights, jnp.asarray(idx)))
+        def precision():  # not TF32 on a GPU
+            return jax.default_matmul_precision("highest")
+
+        with precision():
+            got = np.asarray(experts(x, weights, jnp.asarray(idx)))
         gu, down = experts.gate_up_proj, experts.down_proj
         want = np.zeros((t, h))
         for tok in range(t):
             for j in range(k):
                 one = jnp.asarray(np.eye(e, dtype=np.int32)[idx[tok, j]])  # 1 row, 1 expert
-                g = gu(x[tok:tok + 1], one)
-                act = jax.nn.gelu(g[:, :i], approximate=True) * g[:, i:]
-                want[tok] += float(weights[tok, j]) * np.asarray(down(act, one))[0]
+                with precision():
+                    g = gu(x[tok:tok + 1], one)
+                    act = jax.nn.gelu(g[:, :i], approximate=True) * g[:, i:]
+                    want[tok] += float(weights[tok, j]) * np.asarray(down(act, one))[0]
         self.assertLess(testing.rel_fro_err(got, want), 1e-5 if quantize is None else 5e-2)
 
     def test_fused_quantizers_compute_what_the_layers_do(self):

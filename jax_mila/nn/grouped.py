@@ -4,7 +4,8 @@ mixture-of-experts layer runs its experts.
     y = layer(x_sorted, group_sizes)        # x_sorted [M, in], group_sizes int32 [E]
 
 rows [offset_e, offset_e + group_sizes[e]) of x (offset_e = the sum of the sizes before e) go
-through expert e; the sizes are traced device values (a new routing recompiles nothing).
+through expert e; the sizes are traced device values (a new routing recompiles nothing); rows
+past the last group are zeros.
 
 - ``quantize=None``: a dense ``kernel`` nnx.Param [E, in, out] in param_dtype; the product is
   ``jax.lax.ragged_dot`` in float32, rounded once to ``dtype``.
@@ -72,7 +73,8 @@ class GroupedLinear(nnx.Module):
             return self.matmul_quantized(q, s, group_sizes)
         y = jax.lax.ragged_dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype),
                                group_sizes, preferred_element_type=jnp.float32)
-        return y.astype(self.dtype)
+        covered = jnp.arange(x.shape[0])[:, None] < jnp.sum(group_sizes)  # as the kernels: zeros
+        return jnp.where(covered, y, 0.0).astype(self.dtype)
 
     def matmul_quantized(self, q: jax.Array, scale: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """The W4A8 product of rows already quantized per row (q float8_e4m3fn [M, in_features],
