@@ -41,6 +41,21 @@ class DecodeBenchTest(absltest.TestCase):
         self.assertLen(rows, 1)
         self.assertRegex(rows[0]["status"], r"^not run \(timed out after 0 s\)")
 
+    def test_op_split_per_step(self):
+        # A profiled point of 4 steps: 2 ms of GEMV and 0.4 ms of decode attention in all, the
+        # device busy 3 ms and idle 1 ms: per step 500 / 100 us, 750 / 250 us.
+        split = {"attn decode": 0.4, "w4a8 gemv": 2.0, "other": 0.6, "total": 3.0,
+                 "kernels": 40, "top_other": [["loop_add_fusion", 0.6]],
+                 "timeline": {"/device:GPU:0": {"span_ms": 4.0, "busy_ms": 3.0, "idle_ms": 1.0}}}
+        row = dict(backend="mila", prompt=9, batch=2, steps=4, status="ok", tokens_per_s=8.0,
+                   ms_per_step=1.0, split_ms=split, split_note="profiled")
+        text = decode.report([row, dict(row, prompt=5, split_ms=None, split_note="CPU: none")])
+        self.assertIn("| mila | 9 | 2 | 10 | 750 | 250 | 100 | 500 | 150 |", text)
+        self.assertIn("| backend | prompt | batch | kernels/step | busy | idle | attn decode | "
+                      "w4a8 gemv | other |", text)
+        self.assertIn("loop_add_fusion 150.0 us/step", text)
+        self.assertIn("op split: CPU: none", text)
+
     def test_bad_arguments(self):
         for argv, pattern in ((["--prompts", "0"], "--prompts and --batches must be positive"),
                               (["--steps", "0"], "--steps and --reps must be >= 1"),

@@ -16,6 +16,10 @@ use); bytes / a device-to-device copy's bandwidth measured in the same worker (r
 of 1 GiB, median) is the time a step cannot beat. Reported: ms per step, tokens/s and that
 bound's tokens/s at batch 1 (fraction = measured / bound).
 
+Op split (default on; --no-profile skips it): one more decode per point under jax.profiler;
+per step, GPU kernel time by op (jax_mila/bench/trace.py's buckets), the device's busy and idle
+time and the kernels launched: where a step's time goes beside the bound.
+
 transformers: HF Gemma4ForCausalLM (bf16 weights, sdpa, ``cache_implementation="static"``),
 ``generate(do_sample=False)``; decode time = generate of steps + 1 new tokens minus generate
 of 1 (its prefill and first token). CUDA only, skipped with the reason otherwise.
@@ -33,7 +37,7 @@ import sys
 import time
 
 from jax_mila.bench import prefill as _prefill
-from jax_mila.bench import timing
+from jax_mila.bench import timing, trace
 
 GiB = 2**30
 BACKENDS = ("mila", "reference", "transformers")
@@ -122,6 +126,12 @@ def _jax_worker(spec: dict) -> None:
             if bandwidth:
                 bound_s = (weights + row["cache_bytes_read"]) / bandwidth
                 row["bound_tokens_per_s"] = batch / bound_s
+            if spec.get("profile"):
+                first, cache = prefilled()
+                row["split_ms"], row["split_note"] = _prefill._profile(
+                    lambda: np.asarray(gemma4.decode(model, first, cache, steps)[0]), trace,
+                    what="decode")
+                del first, cache
             row["status"] = "ok"
         except Exception as e:  # noqa: BLE001 -- reported per point
             row["status"] = ("OOM" if _prefill._is_oom(e)
@@ -189,8 +199,40 @@ def report(rows: list[dict]) -> str:
         table.append([r["backend"], r["prompt"], r["batch"], f"{r['tokens_per_s']:,.1f}",
                       f"{r['ms_per_step']:.2f}", f"{bound:,.0f}" if bound else "-",
                       f"{100 * r['tokens_per_s'] / bound:.0f}%" if bound else "-"])
-    return _prefill._table(["backend", "prompt", "batch", "tokens/s", "ms/step",
+    text = _prefill._table(["backend", "prompt", "batch", "tokens/s", "ms/step",
                             "HBM bound tokens/s", "of bound"], table)
+    return text + _split_report(rows)
+
+
+def _split_report(rows: list[dict]) -> str:
+    """The profiled decode of each point, per step: GPU kernel time by op, the device's busy
+    and idle time (idle: launch latency and waits between kernels), kernels launched."""
+    profiled = [r for r in rows if r.get("status") == "ok" and r.get("split_ms")]
+    notes = sorted({r["split_note"] for r in rows if r.get("split_note") and not r.get("split_ms")})
+    text = []
+    if profiled:
+        columns = trace.buckets_used([r["split_ms"] for r in profiled])
+        table, heaviest = [], []
+        for r in profiled:
+            ms, steps = r["split_ms"], r["steps"]
+            device = next(iter((ms.get("timeline") or {}).values()), {})
+
+            def us(total_ms, steps=steps):
+                return f"{1e3 * total_ms / steps:.0f}"
+            table.append([r["backend"], r["prompt"], r["batch"], f"{ms['kernels'] / steps:.0f}",
+                          us(device["busy_ms"]) if device else "-",
+                          us(device["idle_ms"]) if device else "-"] +
+                         [us(ms[c]) for c in columns])
+            heaviest += [f"{r['backend']} {r['prompt']} x{r['batch']}: {name[:90]} "
+                         f"{1e3 * t / steps:.1f} us/step" for name, t in ms.get("top_other", ())]
+        text += ["", "GPU time per decode step, us (one profiled decode; busy: kernels, idle: "
+                     "the device waiting between them)",
+                 _prefill._table(["backend", "prompt", "batch", "kernels/step", "busy", "idle"]
+                                 + columns, table)]
+        if heaviest:
+            text += ["", 'Heaviest kernels in "other"'] + heaviest
+    text += [f"op split: {n}" for n in notes]
+    return "\n".join([""] + text) if text else ""
 
 
 def _parse(argv, prog):
@@ -209,6 +251,8 @@ def _parse(argv, prog):
                    help="full-attention layers' K/V in FP8 (jax_mila backends)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per backend")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-profile", dest="profile", action="store_false",
+                   help="skip the op split (one more decode per point under jax.profiler)")
     args = p.parse_args(argv)
     try:
         args.prompts = sorted({int(s) for s in args.prompts.split(",") if s.strip()})
@@ -240,7 +284,8 @@ def main(argv=None, *, prog: str = "benchmarks/decode.py") -> list[dict]:
         spec = dict(backend=backend, model=args.model, prompts=args.prompts,
                     batches=args.batches, steps=args.steps, reps=args.reps,
                     quantize=None if args.quantize == "none" else args.quantize,
-                    kv_cache_dtype=args.kv_cache_dtype, seed=args.seed)
+                    kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
+                    profile=args.profile)
         expected = [dict(prompt=p, batch=b) for p, b in _points(spec)]
         if backend == "transformers":
             missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]

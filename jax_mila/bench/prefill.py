@@ -245,8 +245,8 @@ def _chunk_step_temp_bytes(model, chunk: int, length: int, kv_cache_dtype,
     return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
-def _profile(run, trace_mod):
-    """(kernel ms by bucket, note) of one prefill under jax.profiler."""
+def _profile(run, trace_mod, what: str = "prefill"):
+    """(kernel ms by bucket, note) of one ``run()`` (a ``what``) under jax.profiler."""
     import jax
 
     with tempfile.TemporaryDirectory() as d:
@@ -262,7 +262,7 @@ def _profile(run, trace_mod):
         split = trace_mod.split_by_op(path)
     if split is None:
         return None, "no device kernels in the trace (CPU run, or the profiler saw no GPU)"
-    return split, "GPU kernel time by name from jax.profiler (one extra prefill)"
+    return split, f"GPU kernel time by name from jax.profiler (one extra {what})"
 
 
 def _hf_model(config_path: str, device: str):
@@ -517,11 +517,13 @@ def report(rows: list[dict], backends: list[str], seqs: list[int]) -> str:
                      "KV cache", "activations+workspace", "per chunk token KiB",
                      "XLA plan: chunk step temp"], mem), ""]
 
-    from jax_mila.bench.trace import BUCKET_NAMES, GAP_CLASSES
+    from jax_mila.bench.trace import GAP_CLASSES, buckets_used
+
+    columns = buckets_used([r["split_ms"] for r in rows if r.get("split_ms")])
 
     def shares(ms):
         return [f"{ms['total']:.1f}"] + [
-            f"{ms[k]:.1f} ({100 * ms[k] / max(ms['total'], 1e-9):.0f}%)" for k in BUCKET_NAMES]
+            f"{ms[k]:.1f} ({100 * ms[k] / max(ms['total'], 1e-9):.0f}%)" for k in columns]
 
     split, heaviest, notes = [], [], set()
     for b in backends:
@@ -541,7 +543,7 @@ def report(rows: list[dict], backends: list[str], seqs: list[int]) -> str:
     if split:
         text += ["GPU kernel time by op, ms per prefill (share of kernel time; a series on N "
                  "devices: their sum, then each device)",
-                 _table(["backend", "seq", "kernels"] + list(BUCKET_NAMES), split)]
+                 _table(["backend", "seq", "kernels"] + columns, split)]
     if heaviest:
         text += ["", "Heaviest kernels in \"other\" (summed over devices)"] + heaviest
     idle, longest = [], []

@@ -26,6 +26,8 @@ import re
 BUCKETS = (
     ("attn global (flash d512)", re.compile(r"flash512", re.I)),
     ("attn local (flash d256)", re.compile(r"flashattentiond256|flash256", re.I)),
+    ("attn decode", re.compile(r"DecodeSplitKernel|DecodeCombineKernel")),
+    ("w4a8 gemv", re.compile(r"w4a8_gemv", re.I)),
     ("w4a8 gemm", re.compile(r"w4a8", re.I)),
     ("act quantize", re.compile(r"quantize_rows|rms_norm_quantize", re.I)),  # + fused norms
     ("cudnn attention", re.compile(r"cudnn|fmha|flash_fprop|fprop", re.I)),
@@ -43,6 +45,12 @@ def bucket_of(name: str) -> str:
         if pattern.search(name):
             return bucket
     return OTHER
+
+
+def buckets_used(splits) -> list[str]:
+    """The buckets of BUCKET_NAMES (in that order) holding time in any of ``splits`` (dicts as
+    :func:`split_by_op` returns): the columns a report needs."""
+    return [b for b in BUCKET_NAMES if any(split.get(b) for split in splits)]
 
 
 def find_trace(log_dir: str) -> str | None:
