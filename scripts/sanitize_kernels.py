@@ -182,8 +182,27 @@ def check_w4a8():
     # written, flagged, read by the owner). K = 704 and 2112 are stored padded (the last K tile
     # read past K as zeros). wgmma_ws_e4m3 expands the weights into the scratch first (the GEMM's
     # TMA reads what another kernel wrote); from M = 4096 "auto" runs it.
-    for m, n, k in ((1, 256, 128), (97, 384, 256), (300, 136, 704), (1100, 4104, 384),
-                    (300, 264, 1664), (1100, 3848, 2112), (4100, 264, 384)):
+    shapes = ((1, 256, 128), (97, 384, 256), (300, 136, 704), (1100, 4104, 384),
+              (300, 264, 1664), (1100, 3848, 2112), (4100, 264, 384))
+    yield from _check_w4a8_shapes(
+        shapes, kernels, lambda kern, m: ffi.w4a8.auto_kernel(m) if kern == "auto" else kern)
+
+
+def check_w4a8_gemv():
+    """The decode GEMV ("gemv", and "auto" for 1-16 rows): 1, 3, 9 and 16 rows (one and two n8
+    activation tiles), a partial weight tile (N = 24, 4104), K stored padded (2112, 704), and
+    split-K: partials written to the scratch, counted, added by the last CTA of a tile (N = 512,
+    K = 3840: 30 splits on 132 SMs; K = 6144 with 9 rows: 48 groups in at least 3 splits)."""
+    shapes = ((1, 256, 128), (3, 24, 2112), (16, 4104, 384), (9, 264, 6144), (1, 512, 3840),
+              (16, 136, 704))
+    yield from _check_w4a8_shapes(shapes, ("gemv", "auto"), lambda kern, m: "gemv")
+
+
+def _check_w4a8_shapes(shapes, kernels, resolve):
+    """Each (m, n, k) of ``shapes`` through each of ``kernels``, float32 and bf16 out, poisoned
+    outputs, against the reference on the CPU; ``resolve(kernel, m)`` names the kernel that runs
+    (its error bound)."""
+    for m, n, k in shapes:
         x = _bf16((m, k))
         w = jnp.asarray((RNG.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32))
         xq, xs = ffi.quantize_activations(x)
@@ -199,32 +218,7 @@ def check_w4a8():
                 got = bounds.call_with_poisoned_outputs(
                     lambda a, b, c, kern=kern, dt=out_dtype: ffi.w4a8_matmul(
                         a, b, c, out_dtype=dt, kernel=kern), xq, xs, wq)
-                _check_w4a8_error(got, want, ffi.w4a8.auto_kernel(m) if kern == "auto" else kern,
-                                  out_dtype, (m, n, k, kern))
-                yield name
-
-
-def check_w4a8_gemv():
-    """The decode GEMV ("gemv", and "auto" for 1-16 rows): 1, 3, 9 and 16 rows (one and two n8
-    activation tiles), a partial weight tile (N = 24, 4104), K stored padded (2112, 704), and
-    split-K: partials written to the scratch, counted, added by the last CTA of a tile (N = 512,
-    K = 3840: 30 splits on 132 SMs; K = 6144 with 9 rows: 48 groups in at least 3 splits)."""
-    for m, n, k in ((1, 256, 128), (3, 24, 2112), (16, 4104, 384), (9, 264, 6144),
-                    (1, 512, 3840), (16, 136, 704)):
-        x = _bf16((m, k))
-        w = jnp.asarray((RNG.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32))
-        xq, xs = ffi.quantize_activations(x)
-        wq = jax.device_put(_on_cpu(quant.quantize_mxfp4, w), jax.devices()[0])
-        want = _on_cpu(lambda a, b, c: reference.w4a8_matmul(a, b, c, out_dtype=jnp.float32),
-                       xq, xs, wq)
-        for kern in ("gemv", "auto"):
-            for out_dtype in (jnp.float32, jnp.bfloat16):
-                name = f"w4a8 {kern} {m}x{n}x{k} {jnp.dtype(out_dtype).name}"
-                print(f"...  {name}", flush=True)
-                got = bounds.call_with_poisoned_outputs(
-                    lambda a, b, c, kern=kern, dt=out_dtype: ffi.w4a8_matmul(
-                        a, b, c, out_dtype=dt, kernel=kern), xq, xs, wq)
-                _check_w4a8_error(got, want, "gemv", out_dtype, (m, n, k, kern))
+                _check_w4a8_error(got, want, resolve(kern, m), out_dtype, (m, n, k, kern))
                 yield name
 
 

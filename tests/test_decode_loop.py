@@ -27,6 +27,7 @@ from flax import nnx
 from jax_mila import gemma4
 from jax_mila.__main__ import _TokenPrinter, _tokenizer, main
 from jax_mila.engine import jitted, run
+from test_gemma4_cli import EMBEDDED, run_cli
 from test_gemma4_generate import TINY, greedy_by_rerun, tiny_model
 
 VOCAB = TINY["vocab_size"]
@@ -266,16 +267,6 @@ class EosIdsTest(absltest.TestCase):
                 gemma4.Gemma4Config.from_pretrained(d)
         with self.assertRaisesRegex(ValueError, r"unsupported eos_token_id: \[1, -2\]"):
             gemma4.Gemma4Config.from_dict({**TINY, "eos_token_id": [1, -2]})
-
-
-EMBEDDED = str(gemma4.embedded_checkpoint())
-
-
-def run_cli(*argv) -> str:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        main(list(argv))
-    return out.getvalue()
 
 
 def generated_ids(text: str) -> list[int]:
