@@ -51,8 +51,8 @@ import numpy as np  # noqa: E402
 from jax_mila import ffi, quant  # noqa: E402
 from jax_mila.bench.gemm_paths import (SHAPES, XLA_FP8_HANGS_N, XLA_FP8_PRECISION,  # noqa: E402
                                        fp8_rows, xla_fp8_scaled)
-from jax_mila.bench.timing import (GpuSampler, markdown_table,  # noqa: E402
-                                   median_device_seconds_per_call, write_json)
+from jax_mila.bench.timing import (GpuSampler, copy_device_seconds, markdown_table,  # noqa: E402
+                                   median_device_seconds_per_call, rotation, write_json)
 
 # anchors.md's XLA FP8 + scales at M=16384 (an older XLA; recorded in the JSON for reference:
 # the tables compare with the XLA of the same run).
@@ -222,21 +222,7 @@ DECODE_SHAPES = {
 DECODE_ROWS = "1,4,8,16"
 # Buffers a timed call rotates over: at least this many bytes in all, so that L2 holds none of
 # them when its turn comes again.
-ROTATE_BYTES = 256 << 20
 COPY_BYTES = 1 << 30
-
-
-def _rotation(nbytes: int) -> int:
-    return max(2, min(256, -(-ROTATE_BYTES // max(nbytes, 1))))
-
-
-def _copy_seconds(nbytes: int, calls: int):
-    """Device seconds per pass of an XLA elementwise kernel reading and writing `nbytes` (a
-    device-to-device copy's traffic), over rotating buffers; None without a device trace."""
-    words = max(nbytes // 4, 1)
-    bufs = [(jnp.full((words,), i, jnp.uint32),) for i in range(_rotation(nbytes))]
-    return median_device_seconds_per_call(lambda a: a ^ jnp.uint32(0x5A5A5A5A), bufs,
-                                          calls=max(calls, len(bufs)))
 
 
 def decode_main(args) -> None:
@@ -253,7 +239,7 @@ def decode_main(args) -> None:
                  f"{', '.join(DECODE_SHAPES)}")
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind}; {ffi.status('w4a8_matmul')}", flush=True)
-    copy_s = _copy_seconds(COPY_BYTES, args.calls)
+    copy_s = copy_device_seconds(COPY_BYTES, calls=args.calls)
     if copy_s is None:
         sys.exit("--decode needs device time from a profiler trace (a GPU run)")
     copy_gbps = 2 * COPY_BYTES / copy_s / 1e9
@@ -267,9 +253,9 @@ def decode_main(args) -> None:
         w = jax.random.normal(jax.random.key(n + k), (n, k), jnp.float32) / np.sqrt(k)
         wq = quant.quantize_mxfp4(w, name=name)
         del w
-        copies = _rotation(wq.nbytes)
+        copies = rotation(wq.nbytes)
         weights = [wq] + [jax.tree.map(lambda a: a + jnp.uint8(0), wq) for _ in range(copies - 1)]
-        same_s = _copy_seconds(wq.nbytes, args.calls)
+        same_s = copy_device_seconds(wq.nbytes, calls=args.calls)
         for m in (int(v) for v in args.m.split(",")):
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
             xq, xs = jax.block_until_ready(ffi.quantize_activations(x))

@@ -110,6 +110,28 @@ def _profiled_reps(fn, inputs, calls: int, names) -> dict | None:
         return None if path is None else trace_lib.load(path)
 
 
+# Timed calls of a short op rotate through buffers that add up to at least this much, so the
+# op reads from HBM, not from a 50-60 MB L2 that a repeated call would find warm.
+ROTATE_BYTES = 256 << 20
+
+
+def rotation(nbytes: int) -> int:
+    """How many copies of an operand of ``nbytes`` the timed calls rotate through (2-256)."""
+    return max(2, min(256, -(-ROTATE_BYTES // max(nbytes, 1))))
+
+
+def copy_device_seconds(nbytes: int, *, calls: int = 10) -> float | None:
+    """Device seconds per pass of an XLA elementwise kernel reading and writing ``nbytes`` (a
+    device-to-device copy's traffic: 2 x nbytes moved), over rotating buffers: the bandwidth
+    the memory-bound kernels are held against. None without device kernels (a CPU run)."""
+    import jax.numpy as jnp
+
+    words = max(nbytes // 4, 1)
+    bufs = [(jnp.full((words,), i, jnp.uint32),) for i in range(rotation(nbytes))]
+    return median_device_seconds_per_call(lambda a: a ^ jnp.uint32(0x5A5A5A5A), bufs,
+                                          calls=max(calls, len(bufs)))
+
+
 def time_per_call(op, inputs) -> dict:
     """{"device_us": device busy time per call (None without device kernels), "wall_us":
     wall time per call (dispatch-bound for short ops)} of `op` on `inputs`."""
