@@ -129,13 +129,14 @@ elif [ -n "${SIDE:-}" ]; then
 fi
 
 step "tests: $TESTS"
-# TEST_XLA_FLAGS (e.g. --xla_gpu_autotune_level=0) shortens XLA compiles in the tests only;
-# the benchmarks keep XLA's defaults so its numbers are its best.
+# TEST_XLA_FLAGS (default --xla_gpu_autotune_level=0: XLA does not time candidate kernels for
+# its own GEMMs and fusions) shortens XLA compiles in the tests only; the benchmarks keep
+# XLA's defaults so its numbers are its best.
 # A kernel whose barriers deadlock hangs rather than fails: the tests run under a timeout.
 # -o addopts=: pyproject's -n auto needs pytest-xdist, which the GPU images lack; one process
 # owns the GPU anyway (tests/conftest.py).
 if [ -n "$TESTS" ]; then
-  (cd "$REPO"; eval "args=($TESTS)"; cd /tmp; XLA_FLAGS="${TEST_XLA_FLAGS:-${XLA_FLAGS:-}}" \
+  (cd "$REPO"; eval "args=($TESTS)"; cd /tmp; XLA_FLAGS="${TEST_XLA_FLAGS-${XLA_FLAGS:-} --xla_gpu_autotune_level=0}" \
      timeout "${TEST_TIMEOUT:-1200}" python3 -m pytest -v --tb=short -p no:cacheprovider -o addopts= -rfs \
      "${args[@]/#tests/$REPO/tests}") > "$OUT/tests.log" 2>&1 || status=1
   grep -E " (FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/tests.log" | sed 's|.*/tests/||' | tail -30
