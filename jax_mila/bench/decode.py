@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import statistics
 import sys
 import time
@@ -264,9 +263,7 @@ def _parse(argv, prog):
 
 def main(argv=None, *, prog: str = "benchmarks/decode.py") -> list[dict]:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["--worker"]:
-        spec = json.loads(argv[1])
-        (_torch_worker if spec["backend"] == "transformers" else _jax_worker)(spec)
+    if _prefill.serve_worker(argv, _jax_worker, _torch_worker):
         return []
     args = _parse(argv, prog)
     print(f"decode benchmark: model {args.model}, prompts {args.prompts}, batches "

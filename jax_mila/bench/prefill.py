@@ -358,6 +358,17 @@ def _hf_cache_bytes(cache) -> int | None:
 
 # ----------------------------------------------------------------------------------- parent
 
+def serve_worker(argv, jax_worker, torch_worker) -> bool:
+    """The child side of :func:`run_worker`: for ``argv`` = ["--worker", SPEC JSON], runs the
+    spec's backend (transformers: ``torch_worker``, else ``jax_worker``) and returns True;
+    False for any other command line."""
+    if argv[:1] != ["--worker"]:
+        return False
+    spec = json.loads(argv[1])
+    (torch_worker if spec["backend"] == "transformers" else jax_worker)(spec)
+    return True
+
+
 def run_worker(spec: dict, timeout: float, *, module: str = "jax_mila.bench.prefill",
                expected: list[dict] | None = None, summary=None) -> list[dict]:
     """Runs one backend of benchmark ``module`` (``python -m module --worker SPEC``) in a child
@@ -635,9 +646,7 @@ def main(argv=None, *, prog: str = "benchmarks/prefill.py") -> list[dict]:
     """Runs the benchmark on ``argv`` (default sys.argv[1:]); ``prog``: the command its usage
     and errors name (`python -m jax_mila bench prefill` when run from there)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["--worker"]:
-        spec = json.loads(argv[1])
-        (_torch_worker if spec["backend"] == "transformers" else _jax_worker)(spec)
+    if serve_worker(argv, _jax_worker, _torch_worker):
         return []
     args = _parse(argv, prog)
     from jax_mila.gemma4.random_init import _config_path
