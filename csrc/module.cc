@@ -29,6 +29,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaFlashAttentionD512);
 #ifdef MILA_WITH_W4A8
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaW4A8Matmul);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaGroupedW4A8Matmul);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaW4A8Gemv);
 #endif
 #ifdef MILA_WITH_DECODE_ATTENTION
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MilaDecodeAttention);
@@ -74,6 +75,7 @@ NB_MODULE(_jax_mila_cuda, m) {
 #ifdef MILA_WITH_W4A8
     targets["jax_mila_w4a8_matmul"] = EncapsulateFfiHandler(MilaW4A8Matmul);
     targets["jax_mila_grouped_w4a8_matmul"] = EncapsulateFfiHandler(MilaGroupedW4A8Matmul);
+    targets["jax_mila_w4a8_gemv"] = EncapsulateFfiHandler(MilaW4A8Gemv);
 #endif
 #ifdef MILA_WITH_DECODE_ATTENTION
     targets["jax_mila_decode_attention"] = EncapsulateFfiHandler(MilaDecodeAttention);

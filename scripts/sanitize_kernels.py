@@ -192,10 +192,31 @@ def check_w4a8_gemv():
     """The decode GEMV ("gemv", and "auto" for 1-16 rows): 1, 3, 9 and 16 rows (one and two n8
     activation tiles), a partial weight tile (N = 24, 4104), K stored padded (2112, 704), and
     split-K: partials written to the scratch, counted, added by the last CTA of a tile (N = 512,
-    K = 3840: 30 splits on 132 SMs; K = 6144 with 9 rows: 48 groups in at least 3 splits)."""
+    K = 3840: 30 splits on 132 SMs; K = 6144 with 9 rows: 48 groups in at least 3 splits).
+    On Hopper the splits of a tile are a thread-block cluster (partials added through
+    distributed shared memory) unless more than 8 are needed: K = 24576 with 16 rows (192 groups,
+    at least 9 splits) takes the counters there too. w4a8_matmul_many: three weights in one
+    launch (tiles of three weights in one list, each weight's last tile partial)."""
     shapes = ((1, 256, 128), (3, 24, 2112), (16, 4104, 384), (9, 264, 6144), (1, 512, 3840),
-              (16, 136, 704))
+              (16, 136, 704), (16, 136, 24576))
     yield from _check_w4a8_shapes(shapes, ("gemv", "auto"), lambda kern, m: "gemv")
+    for m, ns, k in ((1, (4104, 520, 136), 2112), (16, (264, 24), 3840)):
+        x = _bf16((m, k))
+        xq, xs = ffi.quantize_activations(x)
+        ws = [jax.device_put(_on_cpu(quant.quantize_mxfp4, jnp.asarray(
+            (RNG.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32))), jax.devices()[0])
+            for n in ns]
+        for out_dtype in (jnp.float32, jnp.bfloat16):
+            name = f"w4a8_matmul_many {m}x{ns}x{k} {jnp.dtype(out_dtype).name}"
+            print(f"...  {name}", flush=True)
+            got = bounds.call_with_poisoned_outputs(
+                lambda a, b, dt=out_dtype: ffi.w4a8_matmul_many(a, b, ws, out_dtype=dt), xq, xs)
+            for y, w in zip(got, ws):
+                want = _on_cpu(lambda a, b, c: reference.w4a8_matmul(a, b, c,
+                                                                     out_dtype=jnp.float32),
+                               xq, xs, w)
+                _check_w4a8_error(y, want, "gemv", out_dtype, (m, w.shape[0], k, "many"))
+            yield name
 
 
 def _check_w4a8_shapes(shapes, kernels, resolve):

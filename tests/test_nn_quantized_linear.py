@@ -187,6 +187,31 @@ class QuantizedLinearTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, r"scale\[3\]"):
             layer.matmul_quantized(q, s[:, 0])
 
+    @parameterized.parameters(1, 21)
+    def test_project_many_is_each_projection(self, rows):
+        # nn.project_many of QuantizedRows: one w4a8_matmul_many (on a GPU with 1-16 rows, one
+        # GEMV launch), each result equal to nn.project's; a layer with a bias (float32 product)
+        # or a plain activation falls back to nn.project one by one.
+        k3, k4 = jax.random.split(_key())
+        layers = [nn.Linear.quantize_from(self.kernel),
+                  nn.Linear.quantize_from(jax.random.normal(k3, (K, 64)) * K**-0.5),
+                  nn.Linear.quantize_from(jax.random.normal(k4, (K, 40)) * K**-0.5,
+                                          bias=jnp.ones((40,)))]
+        x = self.x.reshape(-1, K)[:rows].astype(jnp.bfloat16)
+        q = nn.QuantizedRows(*ffi.quantize_activations(x))
+        for group in (layers[:2], layers):
+            got = nn.project_many(group, q)
+            self.assertLen(got, len(group))
+            for y, layer in zip(got, group):
+                want = nn.project(layer, q)
+                self.assertEqual((y.shape, y.dtype), (want.shape, want.dtype))
+                np.testing.assert_allclose(np.asarray(y, np.float32),
+                                           np.asarray(want, np.float32), rtol=1e-5, atol=1e-5)
+        for y, layer in zip(nn.project_many(layers, x), layers):
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(layer(x)))
+        with self.assertRaisesRegex(ValueError, r"matmul_quantized got q\[\d+, 128\]"):
+            nn.project_many(layers[:2], nn.QuantizedRows(q.q[:, :128], q.scale))
+
     def test_unknown_mode_is_refused(self):
         with self.assertRaisesRegex(ValueError, r"quantize='w8a8' is not supported \(supported: \(None, 'w4a8'\)"):
             nn.Linear(K, N, quantize="w8a8")

@@ -367,11 +367,34 @@ class W4A8ReferenceTest(parameterized.TestCase):
         ((2048, 5376, 9, 78), (16, 9, 5, 16), 1179904),
     ]
 
+    # With cluster split-K (a Hopper process with sm_90a code): at most 8 splits, no scratch,
+    # unless the fewest splits already exceed 8 (K of 24576 at 16 rows: the counters). N a
+    # tuple: one launch of several weights (the 12B's q, k, v of a sliding layer).
+    GEMV_CLUSTER_PLANS = [
+        ((3840, 15360, 1, 132), (30, 8, 15, 8), 0),
+        ((3840, 15360, 16, 132), (30, 8, 15, 16), 0),
+        ((15360, 3840, 1, 132), (120, 2, 15, 8), 0),
+        ((512, 3840, 1, 132), (4, 8, 4, 8), 0),
+        ((21504, 5376, 16, 132), (168, 3, 14, 16), 0),
+        ((5376, 21504, 16, 132), (42, 8, 21, 16), 0),
+        ((5376, 21504, 1, 132), (42, 6, 28, 8), 0),
+        ((264, 2176, 16, 132), (3, 6, 3, 16), 0),
+        ((264, 2176, 3, 132), (3, 6, 3, 8), 0),
+        ((136, 24576, 16, 132), (2, 96, 2, 16), 1573120),
+        ((136, 24576, 16, 0), (2, 9, 22, 16), 147712),
+        (((8192, 2048, 2048), 3840, 1, 132), (96, 2, 15, 8), 0),
+    ]
+
     def test_gemv_plan_is_the_handlers(self):
         for (n, kp, m, sms), plan, workspace in self.GEMV_PLANS:
             with self.subTest(n=n, kp=kp, m=m, sms=sms):
                 self.assertEqual(w4a8_module._gemv_plan(n, kp, m, sms), plan)
                 self.assertEqual(w4a8_module._gemv_workspace_bytes(n, kp, m, sms), workspace)
+        for (n, kp, m, sms), plan, workspace in self.GEMV_CLUSTER_PLANS:
+            with self.subTest(n=n, kp=kp, m=m, sms=sms, cluster=True):
+                self.assertEqual(w4a8_module._gemv_plan(n, kp, m, sms, cluster=True), plan)
+                self.assertEqual(w4a8_module._gemv_workspace_bytes(n, kp, m, sms, cluster=True),
+                                 workspace)
 
     def test_gemv_plan_covers_k_once_and_fits(self):
         # Every plan: splits of kc groups that cover the K groups once with none empty, kc within
@@ -380,18 +403,21 @@ class W4A8ReferenceTest(parameterized.TestCase):
         for n, kp, m, sms in itertools.product((8, 24, 512, 3840, 21504, 40000),
                                                (128, 768, 3840, 6144, 15360, 21504, 65536),
                                                (1, 8, 9, 16), (0, 58, 132)):
-            tiles, splits, kc, rows8 = w4a8_module._gemv_plan(n, kp, m, sms)
-            groups, kc_max = kp // 128, (47 if m <= 8 else 23)
-            s_min = -(-groups // kc_max)
-            with self.subTest(n=n, kp=kp, m=m, sms=sms):
-                self.assertEqual((tiles, rows8), (-(-n // 128), 8 if m <= 8 else 16))
-                self.assertTrue((splits - 1) * kc < groups <= splits * kc)
-                self.assertLessEqual(kc, kc_max)
-                self.assertGreaterEqual(splits, s_min)
-                if sms == 0:
-                    self.assertEqual(splits, s_min)
-                elif tiles * s_min <= 2 * sms:
-                    self.assertLessEqual(tiles * splits, 2 * sms)
+            for cluster in (False, True):
+                tiles, splits, kc, rows8 = w4a8_module._gemv_plan(n, kp, m, sms, cluster)
+                groups, kc_max = kp // 128, (47 if m <= 8 else 23)
+                s_min = -(-groups // kc_max)
+                with self.subTest(n=n, kp=kp, m=m, sms=sms, cluster=cluster):
+                    self.assertEqual((tiles, rows8), (-(-n // 128), 8 if m <= 8 else 16))
+                    self.assertTrue((splits - 1) * kc < groups <= splits * kc)
+                    self.assertLessEqual(kc, kc_max)
+                    self.assertGreaterEqual(splits, s_min)
+                    if cluster and s_min <= 8:
+                        self.assertLessEqual(splits, 8)
+                    if sms == 0:
+                        self.assertEqual(splits, s_min)
+                    elif tiles * s_min <= 2 * sms:
+                        self.assertLessEqual(tiles * splits, 2 * sms)
 
     def test_gemv_workspace_sizes(self):
         # "gemv", and "auto" up to 16 rows: the plan's split-K scratch for the process's SMs
@@ -399,8 +425,10 @@ class W4A8ReferenceTest(parameterized.TestCase):
         v, size = w4a8_module.KERNELS, w4a8_module._dense_workspace_bytes
         devices = [mock.Mock(core_count=148), mock.Mock(core_count=132)]
         slot, flags = 128 * 256 * 4, 4096
+        without_sm90a = mock.Mock(return_value={"cuda_archs": "80-real,89-real"})
         with mock.patch.object(w4a8_module.jax, "devices", return_value=devices), \
-             mock.patch.object(w4a8_module, "cuda_capabilities", return_value=((9, 0),)):
+             mock.patch.object(w4a8_module, "cuda_capabilities", return_value=((9, 0),)), \
+             mock.patch.object(w4a8_module, "build_info", without_sm90a):
             self.assertEqual(size(v["gemv"], 16, 21504, 5376), 4129536)
             self.assertEqual(size(v["auto"], 16, 21504, 5376), 4129536)
             self.assertEqual(size(v["gemv"], 1, 21504, 5376), 16)
@@ -408,6 +436,16 @@ class W4A8ReferenceTest(parameterized.TestCase):
             self.assertEqual(size(v["auto"], 17, 21504, 5376), flags + 148 * slot)
         with mock.patch.object(w4a8_module.jax, "devices", side_effect=RuntimeError("no cuda")):
             self.assertEqual(size(v["gemv"], 1, 3840, 15360), 983296)  # 132 SMs assumed
+        # Hopper with sm_90a code: cluster split-K needs no scratch, except past 8 splits.
+        with_sm90a = mock.Mock(return_value={"cuda_archs": "80-real,89-real,90a"})
+        with mock.patch.object(w4a8_module.jax, "devices", return_value=devices), \
+             mock.patch.object(w4a8_module, "cuda_capabilities", return_value=((9, 0),)), \
+             mock.patch.object(w4a8_module, "build_info", with_sm90a):
+            self.assertEqual(size(v["gemv"], 16, 21504, 5376), 16)
+            self.assertEqual(size(v["gemv"], 1, 3840, 15360), 16)
+            self.assertEqual(size(v["gemv"], 16, 136, 24576),
+                             w4a8_module._gemv_workspace_bytes(136, 24576, 16, 148))
+            self.assertGreater(size(v["gemv"], 16, 136, 24576), 16)
 
     def _traced_variant(self, x_fp8, x_scale, w, archs="80-real,89-real,90a", **kwargs):
         """The `variant` (and scratch bytes) of the custom call that w4a8_matmul traces to with
@@ -427,6 +465,50 @@ class W4A8ReferenceTest(parameterized.TestCase):
         scratch = re.findall(r"ShapedArray\(uint8\[(\d+)\]\)", jaxpr)
         return int(variants[0]), int(scratch[0])
 
+    def test_many_traces_to_one_gemv_launch(self):
+        # w4a8_matmul_many on a (mocked) Hopper process: up to 3 weights of one stored K in one
+        # jax_mila_w4a8_gemv call (clusters: the 16-byte token scratch), a fourth weight in the
+        # next; from 17 rows one w4a8_matmul per weight; a weight that does not fit x's K fails.
+        from jax_mila.ffi import _registry
+        forced = lambda op, target=None: _registry.OpStatus(op, True, "forced by the test")  # noqa: E731
+        w = [quant.quantize_mxfp4(jnp.ones((n, 2112), jnp.float32)) for n in (264, 136, 8, 16)]
+        w_other = quant.quantize_mxfp4(jnp.ones((24, 3840), jnp.float32))
+        with mock.patch.object(_registry, "status", forced), \
+             mock.patch.object(_registry, "cuda_capabilities", return_value=((9, 0),)), \
+             mock.patch.multiple(w4a8_module, cuda_capabilities=mock.Mock(return_value=((9, 0),)),
+                                 build_info=mock.Mock(return_value={"cuda_archs": "90a"})), \
+             mock.patch.object(w4a8_module.jax, "devices",
+                               return_value=[mock.Mock(core_count=132)]):
+            for rows, weights, gemv_calls, matmul_calls in (
+                    (3, w[:3], 1, 0), (16, w, 2, 0), (1, [w[0], w_other, w[1]], 0, 0),
+                    (1, w[:1], 0, 1), (17, w[:3], 0, 3)):
+                xq = jnp.zeros((rows, 2112), jnp.float8_e4m3fn)
+                xs = jnp.ones((rows,), jnp.float32)
+                fn = lambda x, s: ffi.w4a8_matmul_many(x, s, weights)  # noqa: E731
+                with self.subTest(rows=rows, weights=len(weights)):
+                    if any(x is w_other for x in weights):
+                        with self.assertRaisesRegex(ValueError, "K"):
+                            jax.make_jaxpr(fn)(xq, xs)
+                        continue
+                    jaxpr = str(jax.make_jaxpr(fn)(xq, xs))
+                    self.assertEqual(jaxpr.count("jax_mila_w4a8_gemv"), gemv_calls, jaxpr)
+                    self.assertEqual(jaxpr.count("jax_mila_w4a8_matmul"), matmul_calls, jaxpr)
+                    if gemv_calls:
+                        self.assertIn("uint8[16]", jaxpr)
+
+    def test_many_on_the_reference_is_each_weights_product(self):
+        xq, xs, w1 = _operands(5, 264, 2112, _seed())
+        _, _, w2 = _operands(5, 136, 2112, _seed() + 1)
+        got = ffi.w4a8_matmul_many(xq, xs, [w1, w2], out_dtype=jnp.float32)
+        for y, w in zip(got, (w1, w2)):
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(
+                reference.w4a8_matmul(xq, xs, w, out_dtype=jnp.float32)))
+        for bad, pattern in (([], "weights: expected a non-empty sequence of MXFP4Weight"),
+                             ([w1, np.zeros((4, 4))], "weights: expected a non-empty sequence"),
+                             ([w1, quant.quantize_mxfp4(jnp.ones((8, 3840)))], "K")):
+            with self.subTest(pattern=pattern), self.assertRaisesRegex(ValueError, pattern):
+                ffi.w4a8_matmul_many(xq, xs, bad)
+
     def test_auto_traces_to_the_gemv_for_1_to_16_rows(self):
         # The choice by rows happens at trace time (the rows are static): 1-16 rows -> variant
         # 4 with the plan's scratch, leading dims counted as rows; 17 -> the GEMM ("auto", which
@@ -441,7 +523,8 @@ class W4A8ReferenceTest(parameterized.TestCase):
                 if m <= 16:
                     self.assertEqual(variant, w4a8_module.KERNELS["gemv"])
                     self.assertEqual(scratch, max(16, w4a8_module._gemv_workspace_bytes(
-                        264, 2176, m, 132)))
+                        264, 2176, m, 132, cluster=True)))
+                    self.assertEqual(scratch, 16)  # the splits are clusters
                 else:
                     self.assertEqual(variant, w4a8_module.KERNELS["auto"])
                     self.assertEqual(self._traced_variant(xq, xs, w, archs="80-real,89-real")[0],
@@ -876,7 +959,8 @@ class W4A8GemvTest(_KernelTestBase):
     bitwise repeatability."""
 
     def _plan(self, m, n, k):
-        return w4a8_module._gemv_plan(n, quant.padded_k(k), m, w4a8_module._sms())
+        return w4a8_module._gemv_plan(n, quant.padded_k(k), m, w4a8_module._sms(),
+                                      w4a8_module._gemv_clusters())
 
     def _check(self, m, n, k, *, kernel="gemv", w_scale=None, x_mag=3.0, seed=None):
         self.assertEqual(self._require(kernel, m), "gemv")
@@ -911,6 +995,10 @@ class W4A8GemvTest(_KernelTestBase):
         cases = [((32768, 256), False), ((264, 2112), True), ((3840, 15360), True)]
         if _under_compute_sanitizer():
             cases = cases[1:2]
+        if m == 16:
+            # More than 8 splits at the fewest (192 groups of K, 23 a CTA): the arrival
+            # counters, on Hopper too.
+            cases.append(((136, 24576), True))
         for (n, k), split in cases:
             _, splits, _, _ = self._plan(m, n, k)
             self.assertEqual(splits > 1, split, (n, k, splits))
@@ -932,6 +1020,31 @@ class W4A8GemvTest(_KernelTestBase):
                 for _ in range(2):
                     again = np.asarray(jax.jit(fn)(xq, xs, w), np.float32)
                     np.testing.assert_array_equal(again, first, err_msg=f"m={m} n={n} k={k}")
+
+    @parameterized.parameters(1, 5, 16)
+    def test_many_weights_one_launch(self, m):
+        # w4a8_matmul_many: three weights of one K in one launch (N of 33 tiles + 8 columns,
+        # 4 + 8, 1 + 8: every weight ends in a partial tile), each result against its own exact
+        # product, bitwise repeatable; two weights.
+        seed = _seed()
+        xq, xs, w1 = _operands(m, 4104, 2112, seed)
+        _, _, w2 = _operands(m, 520, 2112, seed + 1)
+        _, _, w3 = _operands(m, 136, 2112, seed + 2)
+        jaxpr = str(jax.make_jaxpr(lambda x, s: ffi.w4a8_matmul_many(x, s, [w1, w2, w3]))(xq, xs))
+        self.assertEqual(jaxpr.count("jax_mila_w4a8_gemv"), 1, jaxpr)
+        for weights in ([w1, w2, w3], [w2, w3]):
+            for dtype in (jnp.float32, jnp.bfloat16):
+                fn = functools.partial(ffi.w4a8_matmul_many, weights=weights, out_dtype=dtype)
+                got = testing.call_with_poisoned_outputs(lambda x, s: fn(x, s), xq, xs)
+                tol = F32_TOL["gemv"] if dtype == jnp.float32 else 4e-3
+                for y, w in zip(got, weights):
+                    self.assertEqual((y.shape, y.dtype), ((m, w.shape[0]), dtype))
+                    self.assertLess(testing.rel_fro_err(y, _exact_product(xq, xs, w)), tol,
+                                    f"m={m} n={w.shape[0]} {jnp.dtype(dtype).name} seed={seed}")
+            again = jax.jit(lambda x, s: ffi.w4a8_matmul_many(x, s, weights))(xq, xs)
+            first = jax.jit(lambda x, s: ffi.w4a8_matmul_many(x, s, weights))(xq, xs)
+            for a, b in zip(again, first):
+                np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
     def test_large_magnitudes(self):
         # Channel scales over 81 binades and activations of 1e4 (x_scale ~ 80): the fp16
@@ -1019,15 +1132,30 @@ class W4A8GemvTest(_KernelTestBase):
         with self.assertRaisesRegex(Exception, r"variant=4: the GEMV takes 1 to 16 rows, x_fp8 "
                                                r"has M=17"):
             jax.block_until_ready(dense(xq, xs, 1 << 22))
-        # 48 groups of K: two splits at least (47 fit a CTA), so the scratch must hold them.
-        need = w4a8_module._gemv_workspace_bytes(136, 6144, 1, 0)
+        # 192 groups of K at 16 rows: 9 splits at least (23 fit a CTA), more than a cluster
+        # takes, so the scratch must hold their partials on every GPU.
+        xq, xs, w = _operands(16, 136, 24576, _seed())
+        need = w4a8_module._gemv_workspace_bytes(136, 24576, 16, 0)
         self.assertGreater(need, 16)
         with self.assertRaisesRegex(Exception, r"workspace: 16 bytes; variant 4 needs at least "
                                                f"{need}"):
-            jax.block_until_ready(dense(xq[:1], xs[:1], 16))
-        got = dense(xq[:1], xs[:1], need)[0]  # the fewest splits, where that is all there is
-        self.assertLess(testing.rel_fro_err(got, _exact_product(xq[:1], xs[:1], w)),
-                        F32_TOL["gemv"])
+            jax.block_until_ready(dense(xq, xs, 16))
+        got = dense(xq, xs, need)[0]  # the fewest splits, where that is all there is
+        self.assertLess(testing.rel_fro_err(got, _exact_product(xq, xs, w)), K15360_TOL["gemv"])
+        # The GEMV of several weights: its arrays in triples, one output each.
+        many = jax.ffi.ffi_call("jax_mila_w4a8_gemv",
+                                (jax.ShapeDtypeStruct((16, 136), jnp.float32),
+                                 jax.ShapeDtypeStruct((1 << 22,), jnp.uint8)))
+        with self.assertRaisesRegex(Exception, r"w4a8_gemv: weights: expected 1 to 3 "
+                                               r"\(packed, scales, channel_exp\) triples"):
+            jax.block_until_ready(many(xq, xs, w.packed, w.scales))
+        two = jax.ffi.ffi_call("jax_mila_w4a8_gemv",
+                               (jax.ShapeDtypeStruct((16, 136), jnp.float32),
+                                jax.ShapeDtypeStruct((16, 136), jnp.bfloat16),
+                                jax.ShapeDtypeStruct((1 << 22,), jnp.uint8)))
+        with self.assertRaisesRegex(Exception, r"w4a8_gemv \(weight 1\): out: bfloat16; every "
+                                               r"output of a launch must have the first's dtype"):
+            jax.block_until_ready(two(xq, xs, *w, *w))
         xg, sg, wg, gs = _grouped_operands((3, 2), 136, 256, _seed())
         call = jax.ffi.ffi_call("jax_mila_grouped_w4a8_matmul",
                                 (jax.ShapeDtypeStruct((5, 136), jnp.float32),

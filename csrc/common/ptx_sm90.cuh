@@ -138,6 +138,14 @@ __device__ __forceinline__ uint32_t map_to_cta(uint32_t addr, uint32_t rank) {
 #endif
   return r;
 }
+// A float of another CTA's shared memory (`cluster_addr` from map_to_cta).
+__device__ __forceinline__ float ld_shared_cluster_f32(uint32_t cluster_addr) {
+  float v = 0.f;
+#ifdef MILA_HAS_SM90A
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(cluster_addr) : "memory");
+#endif
+  return v;
+}
 // All threads of every CTA of the cluster (not .aligned: callers may arrive diverged).
 __device__ __forceinline__ void cluster_sync() {
 #ifdef MILA_HAS_SM90A

@@ -241,7 +241,7 @@ W4A8Variant ResolveW4A8Variant(W4A8Variant variant, const W4A8Args& args, int cc
 
 int64_t W4A8RequiredWorkspace(W4A8Variant variant, const W4A8Args& args) {
   if (variant == W4A8Variant::kGemv) {  // the fewest splits; more where the workspace has room
-    return W4A8GemvWorkspaceBytes(W4A8GemvMakePlan(args.n, args.kp, args.m, 0));
+    return W4A8GemvRequiredWorkspace(args, W4A8GemvWeightOf(args));
   }
   if (args.group_sizes != nullptr) {
     const int rows = variant == W4A8Variant::kMmaSync ? mma::kBM : kW4A8WsGroupRows;

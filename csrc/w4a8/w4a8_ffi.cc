@@ -13,6 +13,7 @@ namespace {
 
 constexpr const char* kOp = "w4a8_matmul";
 constexpr const char* kGroupedOp = "grouped_w4a8_matmul";
+constexpr const char* kGemvOp = "w4a8_gemv";
 
 // Shapes of x [M, K], x_scale [M], the weight arrays [(E,) N, Kp / 2], [(E,) N, Kp / 32],
 // [(E,) N] and out [M, N]: fills `args` or says what is wrong. `experts` is 0 for a dense call
@@ -194,6 +195,77 @@ ffi::Error GroupedW4A8MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x,
   return Run(kGroupedOp, stream, args, variant);
 }
 
+// The GEMV of up to kW4A8GemvMaxWeights weights that multiply the same activations, one launch:
+// x_fp8 [M, K], x_scale [M], then (packed, scales, channel_exp) of each weight; results: each
+// weight's out [M, N_i] (one dtype, bfloat16 or float32), then the workspace.
+ffi::Error W4A8GemvImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> x_scale,
+                        ffi::RemainingArgs weight_arrays, ffi::RemainingRets results) {
+  const size_t arrays = weight_arrays.size();
+  if (arrays % 3 != 0 || arrays < 3 || arrays > 3 * kW4A8GemvMaxWeights) {
+    return InvalidArgument(kGemvOp, "weights: expected 1 to ", kW4A8GemvMaxWeights,
+                           " (packed, scales, channel_exp) triples after x_fp8 and x_scale, got ",
+                           arrays, " arrays");
+  }
+  const size_t count = arrays / 3;
+  if (results.size() != count + 1) {
+    return InvalidArgument(kGemvOp, "results: expected one output per weight (", count,
+                           ") and the workspace, got ", results.size());
+  }
+  auto workspace = results.get<ffi::AnyBuffer>(count);
+  if (workspace.has_error()) {
+    return InvalidArgument(kGemvOp, "workspace: ", workspace.error().message());
+  }
+  W4A8Args args;
+  W4A8GemvWeights w;
+  for (size_t i = 0; i < count; ++i) {
+    const std::string op = Concat(kGemvOp, " (weight ", i, ")");
+    auto packed = weight_arrays.get<ffi::Buffer<ffi::U8>>(3 * i);
+    auto scales = weight_arrays.get<ffi::Buffer<ffi::U8>>(3 * i + 1);
+    auto channel_exp = weight_arrays.get<ffi::Buffer<ffi::U8>>(3 * i + 2);
+    auto out = results.get<ffi::AnyBuffer>(i);
+    if (packed.has_error() || scales.has_error() || channel_exp.has_error()) {
+      return InvalidArgument(op.c_str(), "w.packed, w.scales, w.channel_exp must be uint8 arrays");
+    }
+    if (out.has_error()) return InvalidArgument(op.c_str(), "out: ", out.error().message());
+    W4A8Args a;
+    if (ffi::Error e = CheckShapes(op.c_str(), x, x_scale, *packed, *scales, *channel_exp, *out,
+                                   *workspace, 0, &a);
+        e.failure()) {
+      return e;
+    }
+    if (i > 0 && a.kp != args.kp) {
+      return InvalidArgument(op.c_str(), "w: stored K=", a.kp, "; every weight of a launch must "
+                             "have the first's (", args.kp, ")");
+    }
+    if (i > 0 && a.out_f32 != args.out_f32) {
+      return InvalidArgument(op.c_str(), "out: ", DTypeName((*out)->element_type()),
+                             "; every output of a launch must have the first's dtype");
+    }
+    if (i == 0) args = a;
+    W4A8GemvAddWeight(w, a.packed, a.scales, a.channel_exp, a.out, a.n);
+  }
+  if (args.m > kW4A8GemvMaxRows) {
+    return InvalidArgument(kGemvOp, "the GEMV takes 1 to ", kW4A8GemvMaxRows,
+                           " rows, x_fp8 has M=", args.m);
+  }
+  const int cc = CurrentComputeCapability();
+  if (cc < kW4A8MinComputeCapability) {
+    return Unimplemented(kGemvOp, "needs compute capability >= 8.9, this device is ", cc / 10, ".",
+                         cc % 10, "; jax_mila routes such devices to the reference");
+  }
+  int compiled_for = 0;
+  if (const char* why = W4A8GemvCodeProblem(&compiled_for)) {
+    return Unimplemented(kGemvOp, why, " (device ", cc / 10, ".", cc % 10, "); rebuild with "
+                         "JAX_MILA_CUDA_ARCHS covering it (default 80-real;89-real;90a)");
+  }
+  const int64_t need = W4A8GemvRequiredWorkspace(args, w);
+  if (args.workspace_bytes < need) {
+    return InvalidArgument(kGemvOp, "workspace: ", args.workspace_bytes, " bytes; the GEMV of "
+                           "these weights needs at least ", need);
+  }
+  return CheckLaunch(kGemvOp, LaunchW4A8GemvWeights(args, w, stream));
+}
+
 }  // namespace
 }  // namespace mila
 
@@ -222,4 +294,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MilaGroupedW4A8Matmul, mila::GroupedW4A8MatmulImpl
                                   .Ret<xla::ffi::AnyBuffer>()                // out [M, N] bf16/f32
                                   .Ret<xla::ffi::AnyBuffer>()                // workspace u8
                                   .Attr<int64_t>("variant"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MilaW4A8Gemv, mila::W4A8GemvImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // x_fp8 [M, K]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // x_scale [M]
+                                  .RemainingArgs()  // (packed, scales, channel_exp) per weight
+                                  .RemainingRets(),  // out [M, N_i] per weight, workspace u8
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -28,17 +28,25 @@
 // of kc groups of K; its activation rows of that range sit in shared memory as fp16 (converted
 // once per CTA). Each lane streams 16-byte ld.global.nc.L1::no_allocate loads of its two rows,
 // 4 groups a batch, the next batch in flight while the current one is converted and multiplied
-// (8 loads of 16 bytes a lane, 32 KiB a CTA, 64 KiB an SM at two CTAs). Where N / 128 CTAs
-// cannot fill the GPU, K is split (W4A8GemvMakePlan): each CTA writes its float32 partial tile
-// to a workspace slot, raises its tile's counter, and the CTA that arrives last adds the slots
-// in split order, so the result does not depend on which CTA finished when (bitwise repeatable).
+// (8 loads of 16 bytes a lane, 32 KiB a CTA, 64 KiB an SM at two CTAs). One launch may hold up
+// to three weights that multiply the same activations (W4A8GemvWeights): their tiles are one
+// list. Where the tiles cannot fill the GPU, K is split (W4A8GemvMakePlan). On Hopper the
+// splits of a tile are one thread-block cluster: each CTA leaves its float32 partial tile in
+// its shared memory, and after a cluster barrier each CTA adds up a share of the tile's
+// elements across the cluster's CTAs (distributed shared memory) in split order. Elsewhere (or
+// past kW4A8GemvMaxClusterSplits splits) each CTA writes its partial to a workspace slot,
+// raises its tile's counter (zeroed before the launch), and the CTA that arrives last adds the
+// slots in split order. Either way the result does not depend on which CTA finished when
+// (bitwise repeatable), and only the rows below M are written and added.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include <atomic>
 #include <type_traits>
 
+#include "common/cluster_launch.h"
 #include "common/ptx.cuh"
+#include "common/ptx_sm90.cuh"
 #include "w4a8/w4a8_kernel.h"
 
 // Archs below the kernel's minimum compile its body away and leave these unused.
@@ -48,6 +56,11 @@ namespace mila {
 namespace {
 namespace gemv {
 
+#ifdef MILA_BUILD_HAS_SM90A
+constexpr bool kBuildHasSm90a = true;
+#else
+constexpr bool kBuildHasSm90a = false;
+#endif
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRows = kW4A8GemvCtaRows;
@@ -95,20 +108,33 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t v) {
   return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
 }
 
-// Grid: plan.tiles x plan.splits CTAs, blockIdx.x = tile * splits + split. kMT: n8 activation
-// tiles (1: M <= 8, 2: M <= 16).
-template <typename OutT, int kMT>
+// One of a launch's weights (W4A8GemvWeights), chosen without indexing the kernel parameter
+// arrays (which would copy them to local memory).
+template <typename T>
+__device__ __forceinline__ T pick(const T (&a)[kW4A8GemvMaxWeights], int i) {
+  static_assert(kW4A8GemvMaxWeights == 3, "pick chooses among three");
+  return i == 0 ? a[0] : i == 1 ? a[1] : a[2];
+}
+
+// Grid: plan.tiles x plan.splits CTAs, blockIdx.x = tile * splits + split (the tiles of all the
+// weights of `w`, in order); kCluster: clusters of plan.splits CTAs, one a tile. kMT: n8
+// activation tiles (1: M <= 8, 2: M <= 16).
+template <typename OutT, int kMT, bool kCluster>
 __global__ void __launch_bounds__(kThreads, kW4A8GemvCtasPerSm)
-    w4a8_gemv_kernel(const W4A8Args args, const W4A8GemvPlan plan) {
+    w4a8_gemv_kernel(const W4A8Args args, const W4A8GemvWeights w, const W4A8GemvPlan plan) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int last_arrival;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, q = lane % 4;
-  const int N = args.n;
   const int64_t M = args.m, K = args.k;
-  const int64_t tile = blockIdx.x / plan.splits;
+  const int64_t list_tile = blockIdx.x / plan.splits;  // in the launch's list
   const int split = static_cast<int>(blockIdx.x % plan.splits);
+  // This CTA's weight and its tile of that weight.
+  const int wi = (w.count > 1 && list_tile >= w.tile_end[0]) +
+                 (w.count > 2 && list_tile >= w.tile_end[1]);
+  const int64_t tile = list_tile - (wi == 0 ? 0 : pick(w.tile_end, wi - 1));
+  const int N = pick(w.n, wi);
   const int groups = args.kp / kW4A8KMultiple;
   const int j0 = split * plan.kc;
   const int kc = min(plan.kc, groups - j0);  // >= 1: the plan has no empty split
@@ -119,23 +145,26 @@ __global__ void __launch_bounds__(kThreads, kW4A8GemvCtasPerSm)
   const int64_t r0 = n0 + g, r1 = r0 + 8;
   const bool v0 = r0 < N, v1 = r1 < N;
   const int64_t packed_row = args.kp / 2, scale_row = args.kp / 32;
-  const uint8_t* code0 = args.packed + (v0 ? r0 : 0) * packed_row + j0 * kGroupBytes + q * 16;
-  const uint8_t* code1 = args.packed + (v1 ? r1 : 0) * packed_row + j0 * kGroupBytes + q * 16;
+  const uint8_t* packed = pick(w.packed, wi);
+  const uint8_t* code0 = packed + (v0 ? r0 : 0) * packed_row + j0 * kGroupBytes + q * 16;
+  const uint8_t* code1 = packed + (v1 ? r1 : 0) * packed_row + j0 * kGroupBytes + q * 16;
   // A group's 4 block exponents of a row: one 32-bit word (rows are Kp/32 bytes, Kp % 128 == 0).
+  const uint8_t* scales = pick(w.scales, wi);
   const uint32_t* exp0 =
-      reinterpret_cast<const uint32_t*>(args.scales + (v0 ? r0 : 0) * scale_row) + j0;
+      reinterpret_cast<const uint32_t*>(scales + (v0 ? r0 : 0) * scale_row) + j0;
   const uint32_t* exp1 =
-      reinterpret_cast<const uint32_t*>(args.scales + (v1 ? r1 : 0) * scale_row) + j0;
+      reinterpret_cast<const uint32_t*>(scales + (v1 ? r1 : 0) * scale_row) + j0;
+  const uint8_t* channel_exp = pick(w.channel_exp, wi);
 
   // A batch: each lane's two 16-byte chunks of kBatch groups, and of its rows' exponent words
   // the one of group jb + q (the four lanes of a row hold the batch's four; shuffled out below).
   static_assert(kBatch == 4, "one exponent word a lane of a row's quad");
-  auto load = [&](int jb, uint4 (&w)[2][kBatch], uint32_t (&e)[2]) {
+  auto load = [&](int jb, uint4 (&wc)[2][kBatch], uint32_t (&e)[2]) {
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const bool in = jb + u < kc;
-      w[0][u] = ptx::ld_nc_v4_or_zero<true>(code0 + (jb + u) * kGroupBytes, in && v0);
-      w[1][u] = ptx::ld_nc_v4_or_zero<true>(code1 + (jb + u) * kGroupBytes, in && v1);
+      wc[0][u] = ptx::ld_nc_v4_or_zero<true>(code0 + (jb + u) * kGroupBytes, in && v0);
+      wc[1][u] = ptx::ld_nc_v4_or_zero<true>(code1 + (jb + u) * kGroupBytes, in && v1);
     }
     const bool in = jb + q < kc;
     e[0] = in && v0 ? __ldg(exp0 + jb + q) : 0u;
@@ -191,7 +220,7 @@ __global__ void __launch_bounds__(kThreads, kW4A8GemvCtasPerSm)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[t][e] = 0.f;
 
-  const uint32_t ch0 = v0 ? args.channel_exp[r0] : 0u, ch1 = v1 ? args.channel_exp[r1] : 0u;
+  const uint32_t ch0 = v0 ? channel_exp[r0] : 0u, ch1 = v1 ? channel_exp[r1] : 0u;
   if (warp_active) {
     // Table constants: block exponent s gives table s * step + c (c folds -R * step in).
     const uint32_t clo0 = kLutLo - ch0 * kStepLo, chi0 = kLutHi - ch0 * kStepHi;
@@ -235,33 +264,83 @@ __global__ void __launch_bounds__(kThreads, kW4A8GemvCtasPerSm)
   }
 
   // acc[t] = {y(m, r0), y(m + 1, r0), y(m, r1), y(m + 1, r1)} before scaling, m = 8t + 2q.
-  if (plan.splits > 1) {
-    uint32_t* counters = static_cast<uint32_t*>(args.workspace);
-    float* slots = reinterpret_cast<float*>(static_cast<uint8_t*>(args.workspace) +
-                                            (4 * plan.tiles + 255) / 256 * 256);  // W4A8GemvWorkspaceBytes
-    const int64_t slot_elems = static_cast<int64_t>(plan.rows8) * kRows;
-    float* mine = slots + (tile * plan.splits + split) * slot_elems;
-    const int c0 = warp * 16 + g, c1 = c0 + 8;  // columns within the tile
-    // Every element of the slot, zeros included (rows past M, columns past N, idle warps).
+  const int c0 = warp * 16 + g, c1 = c0 + 8;  // columns within the tile
+  if constexpr (kCluster) {
+    // The partial tile [M][kRows] in this CTA's shared memory (the activations are done with),
+    // then each CTA of the cluster sums a share of its elements over the cluster in split
+    // order (the cluster rank is the split: the splits of a tile are consecutive CTAs).
+    __syncthreads();
+    float* partial = reinterpret_cast<float*>(smem);
 #pragma unroll
     for (int t = 0; t < kMT; ++t)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int m = 8 * t + 2 * q + e;
-        mine[m * kRows + c0] = acc[t][e];
-        mine[m * kRows + c1] = acc[t][2 + e];
+        if (m < M) {
+          partial[m * kRows + c0] = acc[t][e];
+          partial[m * kRows + c1] = acc[t][2 + e];
+        }
+      }
+    ptx::sm90::cluster_sync();  // every partial written and visible to the cluster
+    const uint32_t base = ptx::smem_addr(partial);
+    const int elems = static_cast<int>(M) * kRows;
+    for (int i = split * kThreads + tid; i < elems; i += plan.splits * kThreads) {
+      float part[kW4A8GemvMaxClusterSplits];
+#pragma unroll
+      for (int s = 0; s < kW4A8GemvMaxClusterSplits; ++s) {
+        part[s] = s < plan.splits ? ptx::sm90::ld_shared_cluster_f32(ptx::sm90::map_to_cta(base + 4 * i, s))
+                                  : 0.f;
+      }
+      float sum = 0.f;
+#pragma unroll
+      for (int s = 0; s < kW4A8GemvMaxClusterSplits; ++s) {
+        if (s < plan.splits) sum += part[s];
+      }
+      const int m = i / kRows;
+      const int64_t col = tile * kRows + i % kRows;
+      if (col < N) {
+        const float ws = ldexpf(1.f, static_cast<int>(channel_exp[col]) - kChannelShift);
+        const float y = sum * ws * args.x_scale[m];
+        OutT* out = static_cast<OutT*>(pick(w.out, wi));
+        if constexpr (std::is_same_v<OutT, float>) {
+          out[m * N + col] = y;
+        } else {
+          out[m * N + col] = __float2bfloat16_rn(y);
+        }
+      }
+    }
+    ptx::sm90::cluster_sync();  // no CTA leaves while another may still read its partial
+    return;
+  } else if (plan.splits > 1) {
+    uint32_t* counters = static_cast<uint32_t*>(args.workspace);
+    float* slots = reinterpret_cast<float*>(static_cast<uint8_t*>(args.workspace) +
+                                            (4 * plan.tiles + 255) / 256 * 256);  // W4A8GemvWorkspaceBytes
+    const int64_t slot_elems = static_cast<int64_t>(plan.rows8) * kRows;
+    float* mine = slots + (list_tile * plan.splits + split) * slot_elems;
+    // The rows below M of the slot, zeros included (columns past N, idle warps); the last
+    // arrival reads those rows only.
+#pragma unroll
+    for (int t = 0; t < kMT; ++t)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int m = 8 * t + 2 * q + e;
+        if (m < M) {
+          mine[m * kRows + c0] = acc[t][e];
+          mine[m * kRows + c1] = acc[t][2 + e];
+        }
       }
     __threadfence();  // the slot before the arrival, at GPU scope
     __syncthreads();
     if (tid == 0) {
-      last_arrival = atomicAdd(counters + tile, 1u) == static_cast<uint32_t>(plan.splits - 1);
+      last_arrival =
+          atomicAdd(counters + list_tile, 1u) == static_cast<uint32_t>(plan.splits - 1);
     }
     __syncthreads();
     if (!last_arrival) return;
     __threadfence();
     // Every element's sum in split order (the same sums every run); the splits outside, so
     // that the loads of several splits and all of a lane's elements are in flight together.
-    const float* slot = slots + tile * plan.splits * slot_elems + 2 * q * kRows;
+    const float* slot = slots + list_tile * plan.splits * slot_elems + 2 * q * kRows;
 #pragma unroll
     for (int t = 0; t < kMT; ++t)
 #pragma unroll
@@ -272,8 +351,10 @@ __global__ void __launch_bounds__(kThreads, kW4A8GemvCtasPerSm)
       for (int t = 0; t < kMT; ++t)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          acc[t][e] += __ldcg(slot + (8 * t + e) * kRows + c0);
-          acc[t][2 + e] += __ldcg(slot + (8 * t + e) * kRows + c1);
+          if (8 * t + 2 * q + e < M) {
+            acc[t][e] += __ldcg(slot + (8 * t + e) * kRows + c0);
+            acc[t][2 + e] += __ldcg(slot + (8 * t + e) * kRows + c1);
+          }
         }
     }
   }
@@ -281,7 +362,7 @@ __global__ void __launch_bounds__(kThreads, kW4A8GemvCtasPerSm)
   if (!warp_active) return;
   const float ws0 = v0 ? ldexpf(1.f, static_cast<int>(ch0) - kChannelShift) : 0.f;
   const float ws1 = v1 ? ldexpf(1.f, static_cast<int>(ch1) - kChannelShift) : 0.f;
-  OutT* out = static_cast<OutT*>(args.out);
+  OutT* out = static_cast<OutT*>(pick(w.out, wi));
 #pragma unroll
   for (int t = 0; t < kMT; ++t)
 #pragma unroll
@@ -301,21 +382,43 @@ __global__ void __launch_bounds__(kThreads, kW4A8GemvCtasPerSm)
 #endif  // older archs compile an empty kernel that the launcher never starts
 }
 
-template <typename OutT, int kMT>
-cudaError_t Launch(const W4A8Args& args, const W4A8GemvPlan& plan, cudaStream_t stream) {
-  auto kernel = w4a8_gemv_kernel<OutT, kMT>;
+// Dynamic shared memory: the activations, and with clusters the partial tile after them.
+int SmemBytes(const W4A8GemvPlan& plan) {
+  const int act = smem_bytes(plan.rows8, plan.kc);
+  const int partial = plan.rows8 * kRows * 4;
+  return plan.cluster && partial > act ? partial : act;
+}
+
+template <typename OutT, int kMT, bool kCluster>
+cudaError_t Launch(const W4A8Args& args, const W4A8GemvWeights& w, const W4A8GemvPlan& plan,
+                   cudaStream_t stream) {
+  auto kernel = w4a8_gemv_kernel<OutT, kMT, kCluster>;
   // Not a stream operation, so it is allowed while a CUDA graph is being captured.
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
   if (err != cudaSuccess) return err;
-  if (plan.splits > 1) {
+  if (plan.splits > 1 && !kCluster) {
     // The tiles' arrival counters down; a stream operation, captured with the launch.
     err = cudaMemsetAsync(args.workspace, 0, 4 * plan.tiles, stream);
     if (err != cudaSuccess) return err;
   }
-  kernel<<<static_cast<unsigned>(plan.tiles * plan.splits), kThreads,
-           smem_bytes(plan.rows8, plan.kc), stream>>>(args, plan);
+  ClusterLaunchConfig launch(dim3(static_cast<unsigned>(plan.tiles * plan.splits)),
+                             dim3(kThreads), SmemBytes(plan), stream,
+                             kCluster ? static_cast<unsigned>(plan.splits) : 1u);
+  err = cudaLaunchKernelEx(&launch.cfg, kernel, args, w, plan);
+  if (err != cudaSuccess) return err;
   return cudaGetLastError();
+}
+
+template <bool kCluster>
+cudaError_t LaunchFor(const W4A8Args& args, const W4A8GemvWeights& w, const W4A8GemvPlan& plan,
+                      cudaStream_t stream) {
+  if (plan.rows8 == 8) {
+    return args.out_f32 ? Launch<float, 1, kCluster>(args, w, plan, stream)
+                        : Launch<__nv_bfloat16, 1, kCluster>(args, w, plan, stream);
+  }
+  return args.out_f32 ? Launch<float, 2, kCluster>(args, w, plan, stream)
+                      : Launch<__nv_bfloat16, 2, kCluster>(args, w, plan, stream);
 }
 
 int DeviceSms() {
@@ -336,25 +439,50 @@ int DeviceSms() {
   return v;
 }
 
+// Whether the current device runs the cluster split-K: the kernel's code for it is sm_90a's
+// (cluster instructions; other archs compile them away).
+bool DeviceRunsClusters() {
+  static std::atomic<int> ptx_version[kW4A8MaxDevices] = {};
+  int version = 0;
+  return W4A8KernelPtxVersion(reinterpret_cast<const void*>(w4a8_gemv_kernel<float, 1, true>),
+                              ptx_version, &version) == nullptr &&
+         version >= 90 && kBuildHasSm90a;
+}
+
 }  // namespace gemv
 }  // namespace
 
-cudaError_t LaunchW4A8Gemv(const W4A8Args& args, cudaStream_t stream) {
-  if (args.group_sizes != nullptr || args.m < 1 || args.m > kW4A8GemvMaxRows) {
-    return cudaErrorInvalidValue;  // the handler refuses these first
+W4A8GemvPlan W4A8GemvDevicePlan(const W4A8Args& args, const W4A8GemvWeights& w, bool sized) {
+  const int64_t tiles = w.count > 0 ? w.tile_end[w.count - 1] : 0;
+  const bool cluster = gemv::DeviceRunsClusters();
+  W4A8GemvPlan plan = W4A8GemvMakePlan(tiles, args.kp, args.m, gemv::DeviceSms(), cluster);
+  if (sized && W4A8GemvWorkspaceBytes(plan) > args.workspace_bytes) {
+    plan = W4A8GemvMakePlan(tiles, args.kp, args.m, 0, cluster);
   }
-  W4A8GemvPlan plan = W4A8GemvMakePlan(args.n, args.kp, args.m, gemv::DeviceSms());
-  if (W4A8GemvWorkspaceBytes(plan) > args.workspace_bytes) {
-    plan = W4A8GemvMakePlan(args.n, args.kp, args.m, 0);
+  return plan;
+}
+
+int64_t W4A8GemvRequiredWorkspace(const W4A8Args& args, const W4A8GemvWeights& w) {
+  const int64_t tiles = w.count > 0 ? w.tile_end[w.count - 1] : 0;
+  return W4A8GemvWorkspaceBytes(
+      W4A8GemvMakePlan(tiles, args.kp, args.m, 0, gemv::DeviceRunsClusters()));
+}
+
+cudaError_t LaunchW4A8GemvWeights(const W4A8Args& args, const W4A8GemvWeights& w,
+                                  cudaStream_t stream) {
+  if (args.group_sizes != nullptr || args.m < 1 || args.m > kW4A8GemvMaxRows || w.count < 1 ||
+      w.count > kW4A8GemvMaxWeights) {
+    return cudaErrorInvalidValue;  // the handlers refuse these first
   }
+  const W4A8GemvPlan plan = W4A8GemvDevicePlan(args, w, /*sized=*/true);
   if (W4A8GemvWorkspaceBytes(plan) > args.workspace_bytes) return cudaErrorInvalidValue;
   if (plan.tiles * plan.splits > INT32_MAX) return cudaErrorInvalidConfiguration;
-  if (plan.rows8 == 8) {
-    return args.out_f32 ? gemv::Launch<float, 1>(args, plan, stream)
-                        : gemv::Launch<__nv_bfloat16, 1>(args, plan, stream);
-  }
-  return args.out_f32 ? gemv::Launch<float, 2>(args, plan, stream)
-                      : gemv::Launch<__nv_bfloat16, 2>(args, plan, stream);
+  return plan.cluster ? gemv::LaunchFor<true>(args, w, plan, stream)
+                      : gemv::LaunchFor<false>(args, w, plan, stream);
+}
+
+cudaError_t LaunchW4A8Gemv(const W4A8Args& args, cudaStream_t stream) {
+  return LaunchW4A8GemvWeights(args, W4A8GemvWeightOf(args), stream);
 }
 
 const char* W4A8GemvCodeProblem(int* compiled_for) {
@@ -362,7 +490,8 @@ const char* W4A8GemvCodeProblem(int* compiled_for) {
   static std::atomic<int> ptx_version[kW4A8MaxDevices] = {};
   int version = 0;
   const char* problem = W4A8KernelPtxVersion(
-      reinterpret_cast<const void*>(gemv::w4a8_gemv_kernel<float, 1>), ptx_version, &version);
+      reinterpret_cast<const void*>(gemv::w4a8_gemv_kernel<float, 1, false>), ptx_version,
+      &version);
   if (problem != nullptr) return problem;
   *compiled_for = version;
   return version >= 80 ? nullptr : "the GEMV needs code compiled for compute_80 or newer";

@@ -132,43 +132,57 @@ constexpr int kW4A8GemvSplitSearch = 64;
 // activations' staging, the partial's write and the last arrival's sum.
 constexpr int kW4A8GemvCtaOverhead = 2;
 
+// Split-K through a thread-block cluster (sm_90a code on a 9.0 device): the splits of a tile
+// are one cluster and add their partials in distributed shared memory, in split order. No
+// workspace and no counters to zero before each call. At most this many splits (the portable
+// cluster size); a K that needs more runs on the counters below.
+constexpr int kW4A8GemvMaxClusterSplits = 8;
+
 // The launch of one GEMV: tiles of kW4A8GemvCtaRows output columns, K split into `splits`
-// ranges of `kc` groups (the last may be shorter). Split-K partials: per (tile, split) one
-// float32 [rows8][kW4A8GemvCtaRows] slot in the workspace after one arrival counter per tile.
+// ranges of `kc` groups (the last may be shorter). Split-K partials without a cluster: per
+// (tile, split) one float32 [rows8][kW4A8GemvCtaRows] slot in the workspace after one arrival
+// counter per tile, zeroed before the launch.
 struct W4A8GemvPlan {
   int64_t tiles = 0;
   int splits = 1;
   int kc = 0;
   int rows8 = 8;  // activation rows padded: 8 or 16
+  bool cluster = false;  // the splits of a tile are one cluster (splits > 1 only)
 };
 
 inline int64_t W4A8CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The split rule (jax_mila/ffi/w4a8.py, _gemv_plan, is the same function). Splits that share
-// their K ranges with fewer splits (ceil(groups / ceil(groups / s)) < s) are never chosen.
+// The split rule (jax_mila/ffi/w4a8.py, _gemv_plan, is the same function) for `tiles` tiles of
+// output columns. Splits that share their K ranges with fewer splits
+// (ceil(groups / ceil(groups / s)) < s) are never chosen.
 //  * At least s_min splits: a CTA's K range must fit its shared memory (kc <= kc_max).
 //  * One wave where it can: the most splits whose CTAs all fit on the GPU at once
 //    (kW4A8GemvCtasPerSm x SMs slots); N alone fills it from 256 tiles (N = 32768) on.
 //  * Else (s_min splits already exceed a wave) the splits that minimize the longest stream,
 //    ceil(CTAs / slots) waves x (kc + kW4A8GemvCtaOverhead) groups, ties to fewer splits.
+//  * `cluster` (the device and build can run cluster split-K) and s_min <=
+//    kW4A8GemvMaxClusterSplits: the same rule with at most that many splits, as clusters.
 // `sms` <= 0: s_min (the least workspace).
-inline W4A8GemvPlan W4A8GemvMakePlan(int n, int kp, int64_t m, int sms) {
+inline W4A8GemvPlan W4A8GemvMakePlan(int64_t tiles, int kp, int64_t m, int sms, bool cluster) {
   W4A8GemvPlan p;
-  p.tiles = W4A8CeilDiv(n, kW4A8GemvCtaRows);
+  p.tiles = tiles;
   p.rows8 = m <= 8 ? 8 : 16;
   const int64_t groups = kp / kW4A8KMultiple;
   const int64_t kc_max = m <= 8 ? kW4A8GemvMaxKcSmall : kW4A8GemvMaxKcLarge;
   const int64_t s_min = W4A8CeilDiv(groups, kc_max);
+  cluster = cluster && s_min <= kW4A8GemvMaxClusterSplits;
+  const int64_t s_cap = cluster && groups > kW4A8GemvMaxClusterSplits ? kW4A8GemvMaxClusterSplits
+                                                                       : groups;
   int64_t s = s_min;
   if (sms > 0) {
     const int64_t slots = static_cast<int64_t>(kW4A8GemvCtasPerSm) * sms;
     if (p.tiles * s_min <= slots) {
       const int64_t fill = slots / p.tiles;
-      s = fill < groups ? fill : groups;
+      s = fill < s_cap ? fill : s_cap;
     } else {
       int64_t best_cost = -1;
-      const int64_t s_end = groups < s_min + kW4A8GemvSplitSearch ? groups
-                                                                   : s_min + kW4A8GemvSplitSearch;
+      const int64_t s_end = s_cap < s_min + kW4A8GemvSplitSearch ? s_cap
+                                                                 : s_min + kW4A8GemvSplitSearch;
       for (int64_t c = s_min; c <= s_end; ++c) {
         const int64_t kc = W4A8CeilDiv(groups, c);
         if (W4A8CeilDiv(groups, kc) != c) continue;
@@ -179,19 +193,61 @@ inline W4A8GemvPlan W4A8GemvMakePlan(int n, int kp, int64_t m, int sms) {
   }
   p.kc = static_cast<int>(W4A8CeilDiv(groups, s));
   p.splits = static_cast<int>(W4A8CeilDiv(groups, p.kc));
+  p.cluster = cluster && p.splits > 1;
   return p;
 }
 
-// Scratch of a plan: nothing without split-K; else the counters (256-byte aligned) and slots.
+// Scratch of a plan: nothing without split-K or with clusters; else the counters (256-byte
+// aligned) and slots.
 inline int64_t W4A8GemvWorkspaceBytes(const W4A8GemvPlan& p) {
-  if (p.splits <= 1) return 0;
+  if (p.splits <= 1 || p.cluster) return 0;
   return W4A8CeilDiv(4 * p.tiles, 256) * 256 +
          p.tiles * p.splits * p.rows8 * kW4A8GemvCtaRows * 4;
 }
 
-// The GEMV on `args` (dense, 1 <= m <= kW4A8GemvMaxRows): the plan for this device's SMs where
-// the workspace holds it, else the fewest splits (which W4A8RequiredWorkspace demands).
+// Weights that one GEMV launch multiplies by the same activations (attention's q, k and v
+// projections; the MLP's gate and up): their tiles form one list, weight by weight, and share
+// one plan. Each weight has its own N (a multiple of kW4A8NMultiple) and output [M, N]; K, Kp,
+// the activations and the output dtype are the call's (W4A8Args).
+constexpr int kW4A8GemvMaxWeights = 3;
+struct W4A8GemvWeights {
+  int count = 0;
+  const uint8_t* packed[kW4A8GemvMaxWeights] = {};
+  const uint8_t* scales[kW4A8GemvMaxWeights] = {};
+  const uint8_t* channel_exp[kW4A8GemvMaxWeights] = {};
+  void* out[kW4A8GemvMaxWeights] = {};
+  int n[kW4A8GemvMaxWeights] = {};
+  int64_t tile_end[kW4A8GemvMaxWeights] = {};  // one past each weight's last tile in the list
+};
+// Adds a weight (its arrays and output) to `w` (count < kW4A8GemvMaxWeights).
+inline void W4A8GemvAddWeight(W4A8GemvWeights& w, const uint8_t* packed, const uint8_t* scales,
+                              const uint8_t* channel_exp, void* out, int n) {
+  const int i = w.count++;
+  w.packed[i] = packed;
+  w.scales[i] = scales;
+  w.channel_exp[i] = channel_exp;
+  w.out[i] = out;
+  w.n[i] = n;
+  w.tile_end[i] = (i > 0 ? w.tile_end[i - 1] : 0) + W4A8CeilDiv(n, kW4A8GemvCtaRows);
+}
+
+// The one weight of a dense call (args.packed ... args.out, args.n) as W4A8GemvWeights.
+inline W4A8GemvWeights W4A8GemvWeightOf(const W4A8Args& args) {
+  W4A8GemvWeights w;
+  W4A8GemvAddWeight(w, args.packed, args.scales, args.channel_exp, args.out, args.n);
+  return w;
+}
+// The plan of the GEMV of `w` with the activations of `args` on the current device: its SMs,
+// and clusters where the device and the build run them; with `sized` the plan must also fit
+// args.workspace_bytes, else the fewest splits (what W4A8GemvRequiredWorkspace demands).
+W4A8GemvPlan W4A8GemvDevicePlan(const W4A8Args& args, const W4A8GemvWeights& w, bool sized);
+// The least workspace the GEMV of `w` needs on the current device (the handlers refuse less).
+int64_t W4A8GemvRequiredWorkspace(const W4A8Args& args, const W4A8GemvWeights& w);
+// The GEMV on `args` (dense, 1 <= m <= kW4A8GemvMaxRows), its one weight args.packed ...
 cudaError_t LaunchW4A8Gemv(const W4A8Args& args, cudaStream_t stream);
+// ... or on the weights of `w` (args' weight and output fields unused).
+cudaError_t LaunchW4A8GemvWeights(const W4A8Args& args, const W4A8GemvWeights& w,
+                                  cudaStream_t stream);
 // Why this build cannot run the GEMV on the current device, or nullptr (as W4A8CodeProblem).
 const char* W4A8GemvCodeProblem(int* compiled_for);
 // The PTX version (10 * major + minor) of the code `kernel` has for the current device, asked

@@ -6,7 +6,7 @@ from jax_mila.ffi.attention import flash_attention
 from jax_mila.ffi.decode_attention import decode_attention
 from jax_mila.ffi.norm_rope import rms_norm_rope
 from jax_mila.ffi.quantize import add_rms_norm_quantize, quantize_activations, quantize_geglu
-from jax_mila.ffi.w4a8 import grouped_w4a8_matmul, w4a8_matmul
+from jax_mila.ffi.w4a8 import grouped_w4a8_matmul, w4a8_matmul, w4a8_matmul_many
 
 __all__ = [
     "DISABLE_ENV",
@@ -23,4 +23,5 @@ __all__ = [
     "rms_norm_rope",
     "status",
     "w4a8_matmul",
+    "w4a8_matmul_many",
 ]

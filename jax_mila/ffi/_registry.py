@@ -34,7 +34,8 @@ OPS: dict[str, tuple[str, ...]] = {
                         "jax_mila_flash_attention_d512_sm90",
                         "jax_mila_flash_attention_d512_sm90_rotary_keys",
                         "jax_mila_flash_attention_d256_sm90"),
-    "w4a8_matmul": ("jax_mila_w4a8_matmul",),
+    # The second: the GEMV of several weights in one launch (w4a8_matmul_many).
+    "w4a8_matmul": ("jax_mila_w4a8_matmul", "jax_mila_w4a8_gemv"),
     "grouped_w4a8_matmul": ("jax_mila_grouped_w4a8_matmul",),
     "decode_attention": ("jax_mila_decode_attention",),
 }

@@ -80,6 +80,8 @@ _GEMV_CTAS_PER_SM = 2
 _GEMV_MAX_KC = {8: 47, 16: 23}  # groups of 128 of K a CTA's shared memory holds, by rows8
 _GEMV_SPLIT_SEARCH = 64
 _GEMV_CTA_OVERHEAD = 2
+_GEMV_MAX_CLUSTER_SPLITS = 8  # kW4A8GemvMaxClusterSplits
+GEMV_MAX_WEIGHTS = 3  # weights one w4a8_matmul_many launch takes (kW4A8GemvMaxWeights)
 # Dense calls of this many rows or more run on expanded weights under "auto" on Hopper
 # (csrc/w4a8/w4a8_kernel.h, kW4A8ExpandMinRows): the scratch then holds them.
 EXPAND_MIN_ROWS = 4096
@@ -197,21 +199,38 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _gemv_plan(n: int, kp: int, m: int, sms: int) -> tuple[int, int, int, int]:
-    """(tiles, splits, kc, rows8) of the GEMV: the split rule of csrc/w4a8/w4a8_kernel.h
-    (W4A8GemvMakePlan, which documents it), the same function. sms <= 0: the fewest splits."""
-    tiles = _ceil_div(n, _GEMV_CTA_ROWS)
+def _gemv_clusters() -> bool:
+    """Whether the GEMV splits K over thread-block clusters in this process (sm_90a code on
+    9.0 GPUs only; csrc/w4a8/w4a8_gemv.cu, DeviceRunsClusters)."""
+    return _hopper_process() and _wgmma_built()
+
+
+def _gemv_tiles(n) -> int:
+    """Tiles of 128 output columns of one weight (N = n) or of a launch's weights (a sequence)."""
+    ns = (n,) if isinstance(n, (int, np.integer)) else tuple(n)
+    return sum(_ceil_div(int(v), _GEMV_CTA_ROWS) for v in ns)
+
+
+def _gemv_plan(n, kp: int, m: int, sms: int, cluster: bool = False) -> tuple[int, int, int, int]:
+    """(tiles, splits, kc, rows8) of the GEMV of the weights of N = n (an int, or a sequence for
+    one launch of several weights): the split rule of csrc/w4a8/w4a8_kernel.h
+    (W4A8GemvMakePlan, which documents it), the same function. sms <= 0: the fewest splits;
+    ``cluster``: the process runs cluster split-K (at most _GEMV_MAX_CLUSTER_SPLITS splits where
+    the fewest fit in that many)."""
+    tiles = _gemv_tiles(n)
     rows8 = 8 if m <= 8 else 16
     groups = kp // GROUP
     s_min = _ceil_div(groups, _GEMV_MAX_KC[rows8])
+    s_cap = min(groups, _GEMV_MAX_CLUSTER_SPLITS) if cluster and s_min <= _GEMV_MAX_CLUSTER_SPLITS \
+        else groups
     s = s_min
     if sms > 0:
         slots = _GEMV_CTAS_PER_SM * sms
         if tiles * s_min <= slots:
-            s = min(slots // tiles, groups)
+            s = min(slots // tiles, s_cap)
         else:
             best = None
-            for c in range(s_min, min(groups, s_min + _GEMV_SPLIT_SEARCH) + 1):
+            for c in range(s_min, min(s_cap, s_min + _GEMV_SPLIT_SEARCH) + 1):
                 kc = _ceil_div(groups, c)
                 if _ceil_div(groups, kc) != c:
                     continue
@@ -222,11 +241,13 @@ def _gemv_plan(n: int, kp: int, m: int, sms: int) -> tuple[int, int, int, int]:
     return tiles, _ceil_div(groups, kc), kc, rows8
 
 
-def _gemv_workspace_bytes(n: int, kp: int, m: int, sms: int) -> int:
-    """The GEMV's split-K scratch (W4A8GemvWorkspaceBytes): a 4-byte arrival counter per tile,
-    256-byte aligned, then one float32 [rows8, 128] partial per (tile, split); 0 unsplit."""
-    tiles, splits, _, rows8 = _gemv_plan(n, kp, m, sms)
-    if splits <= 1:
+def _gemv_workspace_bytes(n, kp: int, m: int, sms: int, cluster: bool = False) -> int:
+    """The GEMV's split-K scratch (W4A8GemvWorkspaceBytes): none unsplit or with clusters
+    (``cluster`` and at most _GEMV_MAX_CLUSTER_SPLITS splits); else a 4-byte arrival counter per
+    tile, 256-byte aligned, then one float32 [rows8, 128] partial per (tile, split)."""
+    tiles, splits, _, rows8 = _gemv_plan(n, kp, m, sms, cluster)
+    s_min = _ceil_div(kp // GROUP, _GEMV_MAX_KC[rows8])
+    if splits <= 1 or (cluster and s_min <= _GEMV_MAX_CLUSTER_SPLITS):
         return 0
     return _ceil_div(4 * tiles, 256) * 256 + tiles * splits * rows8 * _GEMV_CTA_ROWS * 4
 
@@ -236,7 +257,8 @@ def _dense_workspace_bytes(variant: int, m: int, n: int, kp: int) -> int:
     (at least 16 bytes); one stream-K slot per SM for wgmma_ws, and the expanded e4m3 weights
     (N x Kp, 256-byte aligned) where wgmma_ws_e4m3 may run, else a token."""
     if variant == KERNELS["gemv"] or (variant == KERNELS["auto"] and m <= GEMV_MAX_ROWS):
-        return max(16, _gemv_workspace_bytes(n, kp, m, _sms() or _SK_DEFAULT_SMS))
+        return max(16, _gemv_workspace_bytes(n, kp, m, _sms() or _SK_DEFAULT_SMS,
+                                             _gemv_clusters()))
     if variant == KERNELS["mma_sync"]:
         return 16
     scratch = _SK_FLAG_BYTES + (_sms() or _SK_DEFAULT_SMS) * _SK_SLOT_BYTES
@@ -286,6 +308,59 @@ def w4a8_matmul(x_fp8, x_scale, w: MXFP4Weight, *, out_dtype=jnp.bfloat16, kerne
             w.channel_exp)
     y = dispatch(OP, kernel_fn, ref, *args, device_ok=_device_ok, device_requirement=_REQUIREMENT)
     return y.reshape(*lead, n)
+
+
+def _gemv_kernel(out_dtype, x2, s1, *arrays):
+    m, kp = x2.shape[0], 2 * arrays[0].shape[1]
+    ns = [arrays[i].shape[0] for i in range(0, len(arrays), 3)]
+    outs = tuple(jax.ShapeDtypeStruct((m, n), out_dtype) for n in ns)
+    workspace = jax.ShapeDtypeStruct(
+        (max(16, _gemv_workspace_bytes(ns, kp, m, _sms() or _SK_DEFAULT_SMS, _gemv_clusters())),),
+        jnp.uint8)
+    call = jax.ffi.ffi_call("jax_mila_w4a8_gemv", outs + (workspace,), vmap_method="sequential")
+    return tuple(call(x2, s1, *arrays)[:-1])
+
+
+def _gemv_reference(out_dtype, x2, s1, *arrays):
+    return tuple(reference.w4a8_matmul(x2, s1, MXFP4Weight(*arrays[i:i + 3]), out_dtype=out_dtype)
+                 for i in range(0, len(arrays), 3))
+
+
+def w4a8_matmul_many(x_fp8, x_scale, weights, *, out_dtype=jnp.bfloat16, kernel: str = "auto"):
+    """``tuple(w4a8_matmul(x_fp8, x_scale, w, out_dtype=out_dtype, kernel=kernel) for w in
+    weights)``: the projections of one activation (attention's q, k and v; the MLP's gate and
+    up). Where the GEMV runs (``kernel`` "auto" or "gemv", at most GEMV_MAX_ROWS rows), up to
+    GEMV_MAX_WEIGHTS weights share one launch: their tiles of output columns
+    form one list and one split of K, which fills the GPU where each alone would not and saves
+    the launches. Each result equals its separate call up to float32 summation order (the split
+    of K follows the launch's list); repeated calls give the same bits."""
+    weights = tuple(weights)
+    if not weights or not all(isinstance(w, MXFP4Weight) for w in weights):
+        _checks.fail(OP, "weights", f"expected a non-empty sequence of MXFP4Weight, got "
+                                    f"{[type(w).__name__ for w in weights]}")
+    _validate(OP, x_fp8, x_scale, out_dtype, kernel, grouped=False)
+    ns = [_check_weight(OP, x_fp8, w, rank=2)[0] for w in weights]
+    lead = x_fp8.shape[:-1]
+    m = int(np.prod(lead, dtype=np.int64))
+    one_launch = kernel in ("auto", "gemv") and m <= GEMV_MAX_ROWS
+    if not one_launch or len(weights) == 1:
+        return tuple(w4a8_matmul(x_fp8, x_scale, w, out_dtype=out_dtype, kernel=kernel)
+                     for w in weights)
+    # Launches of up to GEMV_MAX_WEIGHTS weights, in order (every weight fits x's K, so all
+    # have one stored K).
+    launches = [range(i, min(i + GEMV_MAX_WEIGHTS, len(weights)))
+                for i in range(0, len(weights), GEMV_MAX_WEIGHTS)]
+    x2, s1 = x_fp8.reshape(m, x_fp8.shape[-1]), x_scale.reshape(m)
+    results = [None] * len(weights)
+    for launch in launches:
+        arrays = [a for i in launch for a in (weights[i].packed, weights[i].scales,
+                                              weights[i].channel_exp)]
+        ys = dispatch(OP, functools.partial(_gemv_kernel, out_dtype),
+                      functools.partial(_gemv_reference, out_dtype), x2, s1, *arrays,
+                      device_ok=_device_ok, device_requirement=_REQUIREMENT)
+        for i, y in zip(launch, ys):
+            results[i] = y.reshape(*lead, ns[i])
+    return tuple(results)
 
 
 def _grouped_kernel(out_dtype, variant, x, s, packed, scales, channel_exp, group_sizes):

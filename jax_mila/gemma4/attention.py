@@ -116,14 +116,16 @@ class Gemma4Attention(nnx.Module):
         b, t, _ = x.shape
         # Head counts from the arrays: under tensor parallelism this device holds a slice of the
         # heads (jax_mila/parallel/tensor.py).
-        q = nn.project(self.q_proj, x).reshape(b, t, -1, self.head_dim)
+        # The projections of x in one go (in decode one GEMV launch: nn.project_many).
+        projected = nn.project_many(self.input_projections(), x)
+        q = projected[0].reshape(b, t, -1, self.head_dim)
         q = norm_rope(self.q_norm, q, cos, sin, backend=self.backend, weight=self.q_norm_weight())
         new_entry = None
         if self.is_kv_shared:
             k, v, kv_offset = shared
         else:
-            k_raw = nn.project(self.k_proj, x).reshape(b, t, -1, self.head_dim)
-            v_raw = k_raw if self.k_eq_v else nn.project(self.v_proj, x).reshape(k_raw.shape)
+            k_raw = projected[1].reshape(b, t, -1, self.head_dim)
+            v_raw = k_raw if self.k_eq_v else projected[2].reshape(k_raw.shape)
             k = norm_rope(self.k_norm, k_raw, cos, sin, backend=self.backend)
             v = nn.rms_norm(v_raw, None, self.eps)
             kv_offset = jnp.int32(0)

@@ -56,7 +56,7 @@ class Gemma4MLP(nnx.Module):
         """x [..., hidden], or its W4A8 quantization (nn.QuantizedRows, where
         takes_quantized_input(layout)); ``layout``: the step's split over the mesh (under
         tensor parallelism this device holds a slice of the MLP's columns)."""
-        g, u = nn.project(self.gate_proj, x), nn.project(self.up_proj, x)
+        g, u = nn.project_many((self.gate_proj, self.up_proj), x)
         if self.fuses_geglu(layout):
             rows = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731 - the op takes rank >= 2
             ops = quantized_ops(self.down_proj.backend)

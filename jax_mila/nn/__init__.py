@@ -17,6 +17,7 @@ from jax_mila.nn.linear import (
     QuantizedRows,
     check_quantize,
     project,
+    project_many,
     shares_quantized_input,
 )
 from jax_mila.nn.norm import RMSNorm, rms_norm
@@ -24,5 +25,6 @@ from jax_mila.nn.swap import ReshapedLinear, SwapEntry, SwapReport, swap_linears
 
 __all__ = ["Attention", "BACKENDS", "Embed", "GroupedLinear", "Linear", "MXFP4Param",
            "QUANTIZE_MODES", "QuantizedRows", "RMSNorm", "ReshapedLinear", "SwapEntry",
-           "SwapReport", "check_backend", "check_quantize", "project", "rms_norm",
+           "SwapReport", "check_backend", "check_quantize", "project", "project_many",
+           "rms_norm",
            "shares_quantized_input", "swap_linears"]

@@ -68,6 +68,26 @@ def project(linear: "Linear", x):
     return linear(x)
 
 
+def project_many(linears, x) -> tuple:
+    """``tuple(project(linear, x) for linear in linears)``: the projections of one activation.
+    For QuantizedRows and W4A8 layers of one backend and output dtype, one
+    ``w4a8_matmul_many``: in decode (at most 16 rows) the GEMV runs up to three weights in one
+    launch."""
+    linears = tuple(linears)
+    if (isinstance(x, QuantizedRows) and len(linears) > 1
+            and all(lin.quantize == "w4a8" for lin in linears)
+            and len({lin.backend for lin in linears}) == 1
+            and len({lin.quantized_out_dtype() for lin in linears}) == 1):
+        for lin in linears:
+            lin.check_quantized_input(x.q, x.scale)
+        q, scale = x
+        ys = quantized_ops(linears[0].backend).w4a8_matmul_many(
+            q.reshape(-1, q.shape[-1]), scale.reshape(-1), [lin.mxfp4 for lin in linears],
+            out_dtype=linears[0].quantized_out_dtype())
+        return tuple(lin.finish_quantized(y, q.shape[:-1]) for lin, y in zip(linears, ys))
+    return tuple(project(lin, x) for lin in linears)
+
+
 def shares_quantized_input(*linears: "Linear") -> bool:
     """Whether these projections of one activation may take it quantized once, outside them
     (QuantizedRows), and compute what they compute from the activation itself: every one W4A8
@@ -274,21 +294,32 @@ class Linear(nnx.Module):
             raise ValueError(f"Linear {self.in_features} -> {self.out_features}: "
                              "matmul_quantized needs a quantize='w4a8' layer; this one is dense "
                              "(call it on its unquantized input instead)")
-        w = self.mxfp4
+        self.check_quantized_input(q, scale)
+        y = quantized_ops(self.backend).w4a8_matmul(q.reshape(-1, q.shape[-1]), scale.reshape(-1),
+                                                    self.mxfp4, out_dtype=self.quantized_out_dtype())
+        return self.finish_quantized(y, q.shape[:-1])
+
+    def check_quantized_input(self, q: jax.Array, scale: jax.Array) -> None:
+        """Raises ValueError unless q [..., K] and scale [...] fit this W4A8 layer's weight."""
         # q holds in_features columns, or (row-parallel, inside shard_map) this device's slice
         # of them, which fits the slice of the stored weight the device holds.
-        kp = w.shape[-1]
+        kp = self.mxfp4.shape[-1]
         if not kp - GROUP < q.shape[-1] <= kp or tuple(scale.shape) != tuple(q.shape[:-1]):
             raise ValueError(f"Linear {self.in_features} -> {self.out_features}: matmul_quantized "
                              f"got q{list(q.shape)} and scale{list(scale.shape)}; expected q "
                              f"[..., {self.in_features}] and scale of q's leading shape")
-        out_dtype = (self.dtype if jnp.dtype(self.dtype) == jnp.dtype(jnp.bfloat16)
-                     and not self.use_bias else jnp.float32)
-        y = quantized_ops(self.backend).w4a8_matmul(q.reshape(-1, q.shape[-1]), scale.reshape(-1),
-                                                    w, out_dtype=out_dtype)
+
+    def quantized_out_dtype(self):
+        """The dtype the W4A8 matmul returns for this layer: bf16 for a bf16 layer without a
+        bias, else float32 (the bias is added in float32)."""
+        return (self.dtype if jnp.dtype(self.dtype) == jnp.dtype(jnp.bfloat16)
+                and not self.use_bias else jnp.float32)
+
+    def finish_quantized(self, y: jax.Array, lead: tuple[int, ...]) -> jax.Array:
+        """The W4A8 matmul's rows y [M, N] -> [*lead, N] in ``self.dtype``, the bias added."""
         if self.use_bias:
             y = self._add_bias(y)
-        return y.reshape(*q.shape[:-1], w.shape[0]).astype(self.dtype)
+        return y.reshape(*lead, y.shape[-1]).astype(self.dtype)
 
     def _add_bias(self, y: jax.Array) -> jax.Array:
         """The float32 product plus the bias, in float32."""

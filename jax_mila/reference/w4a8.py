@@ -27,6 +27,11 @@ def w4a8_matmul(x_fp8, x_scale, w: MXFP4Weight, *, out_dtype=jnp.bfloat16):
     return (acc * x_scale[..., None].astype(jnp.float32)).astype(out_dtype)
 
 
+def w4a8_matmul_many(x_fp8, x_scale, weights, *, out_dtype=jnp.bfloat16):
+    """``tuple(w4a8_matmul(x_fp8, x_scale, w, out_dtype=out_dtype) for w in weights)``."""
+    return tuple(w4a8_matmul(x_fp8, x_scale, w, out_dtype=out_dtype) for w in weights)
+
+
 def group_bounds(group_sizes, rows: int):
     """The rows each group covers, as the kernels read ``group_sizes`` [E] int32: (start [E],
     end [E]) with negative sizes counted as 0 and every group clamped to [0, rows)."""
