@@ -1155,7 +1155,7 @@ class W4A8GemvTest(_KernelTestBase):
                                 jax.ShapeDtypeStruct((1 << 22,), jnp.uint8)))
         with self.assertRaisesRegex(Exception, r"w4a8_gemv \(weight 1\): out: bfloat16; every "
                                                r"output of a launch must have the first's dtype"):
-            jax.block_until_ready(two(xq, xs, *w, *w))
+            jax.block_until_ready(two(xq, xs, *(2 * [w.packed, w.scales, w.channel_exp])))
         xg, sg, wg, gs = _grouped_operands((3, 2), 136, 256, _seed())
         call = jax.ffi.ffi_call("jax_mila_grouped_w4a8_matmul",
                                 (jax.ShapeDtypeStruct((5, 136), jnp.float32),

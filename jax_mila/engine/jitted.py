@@ -127,6 +127,21 @@ def head_fn(model):
     return _head_reference if model.backend == "reference" else _head_kernels
 
 
+def _vectors_in_float32(weights):
+    """``weights`` with every bf16 / fp16 array of rank <= 1 (norm weights, layer scalars, the
+    router's scales) in float32, which is how every consumer of them computes (nn.rms_norm,
+    the fused norm ops, the router; layer scalars are cast back to the stream's dtype): the
+    same values and results. Done once before the decode scan: XLA's loop-invariant code
+    motion keeps size-inflating converts inside a loop, so each step would otherwise run one
+    small convert kernel per norm weight (hundreds a step on the 12B)."""
+    def widen(a):
+        if getattr(a, "ndim", 2) <= 1 and jnp.dtype(a.dtype) in (jnp.dtype(jnp.bfloat16),
+                                                                 jnp.dtype(jnp.float16)):
+            return a.astype(jnp.float32)
+        return a
+    return jax.tree.map(widen, weights)
+
+
 @functools.partial(jax.jit, static_argnames=("structure", "steps"), donate_argnames=("cache",))
 def decode_steps(structure, weights, cache, token, done, stop, pad, steps):
     """One block of ``steps`` greedy decode steps from ``token`` [B] at cache.length [B], the unit
@@ -144,7 +159,7 @@ def decode_steps(structure, weights, cache, token, done, stop, pad, steps):
     XLA's GPU runtime copy its predicate to the host and wait for the device at every test,
     and a lax.cond also copies the whole cache into and out of its branches: the early stop
     is the host's, between blocks."""
-    model = rebuild(structure, weights)
+    model = rebuild(structure, _vectors_in_float32(weights))
 
     def step(carry, _):
         cache, tok, done = carry
