@@ -2,10 +2,15 @@
 
     y = w4a8_matmul(x_fp8, x_scale, w)          # x_fp8, x_scale = quantize_activations(x_bf16)
     y = grouped_w4a8_matmul(x_fp8, x_scale, w_experts, group_sizes)   # mixture of experts
+    q, k, v = w4a8_matmul_many(x_fp8, x_scale, [w_q, w_k, w_v])       # one activation
 
 ``w4a8_matmul``: x_fp8 float8_e4m3fn [..., K], x_scale float32 [...] (one scale per row), w a
 jax_mila.quant.MXFP4Weight [N, Kp]; returns [..., N] = (x_fp8 * x_scale) @ w[:, :K].T in
 ``out_dtype`` (bfloat16 or float32). Every leading dim of x is a row (M = their product).
+
+``w4a8_matmul_many``: the products of one activation with several weights, the same results
+as w4a8_matmul on each up to float32 summation order; in decode (the GEMV, 1-16 rows) up to
+GEMV_MAX_WEIGHTS of them run in one launch.
 
 ``grouped_w4a8_matmul``: x_fp8 [M, K] with its rows sorted by expert, x_scale [M], w the experts'
 MXFP4Weight [E, N, Kp], group_sizes int32 [E]: rows [offset_e, offset_e + group_sizes[e]) are
@@ -23,8 +28,9 @@ Kernels (``kernel=``): "auto" (default) runs "gemv" for dense calls of at most G
 calls of EXPAND_MIN_ROWS rows or more on "wgmma_ws_e4m3", "mma_sync" elsewhere;
 ``auto_kernel(m)`` says which. "gemv" (dense, 1-16 rows: decode): streams the MXFP4 codes and
 exponents straight from memory, dequantizes them to fp16 in registers and multiplies on fp16
-mma.sync with float32 accumulation, K split across CTAs where N is small (partials added in a
-fixed order: the same bits every run). "wgmma_ws": warp-specialized FP8 wgmma, the weights
+mma.sync with float32 accumulation, K split across CTAs where N is small (on Hopper across
+the CTAs of a thread-block cluster; partials added in a fixed order: the same bits every
+run). "wgmma_ws": warp-specialized FP8 wgmma, the weights
 converted to e4m3 in registers, persistent (dense: 2-CTA clusters sharing each activation tile,
 stream-K for the last wave; grouped: a tile list built on the device). "wgmma_ws_e4m3" (dense
 only): the same on weights expanded to e4m3 [N, Kp] in the call's scratch first (N x Kp bytes
