@@ -104,7 +104,8 @@ class DecodeBlocksTest(parameterized.TestCase):
     def test_norm_weights_widened_once_give_the_same_bits(self):
         # decode_steps hands its scan float32 copies of the bf16 vectors (norm weights, layer
         # scalars), made once per block: every consumer computes in float32, so a bf16 model
-        # with norm weights far from 1 decodes to the same tokens and cache bits as without.
+        # with norm weights far from 1 decodes to the same tokens and cache bits as the model's
+        # own decode steps on its bf16 weights, run one by one.
         model = tiny_model(seed=5, dtype=jnp.bfloat16)
         vectors = lambda a: a.ndim <= 1 and a.dtype == jnp.bfloat16  # noqa: E731
         state = nnx.state(model)
@@ -112,23 +113,30 @@ class DecodeBlocksTest(parameterized.TestCase):
         nnx.update(model, jax.tree.map(lambda a: (jax.random.normal(jax.random.key(a.size), a.shape)
                                                   * 0.7 + 1.0).astype(a.dtype)
                                        if vectors(a) else a, state))
-        widened = jitted._vectors_in_float32(state)
-        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(widened)):
+        widened = jitted._vectors_in_float32(nnx.state(model))
+        for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(widened)):
             self.assertEqual(b.dtype, jnp.float32 if vectors(a) else a.dtype)
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
         ids = prompt(5, 2, 5)
-        results = []
-        for widen in (jitted._vectors_in_float32, lambda w: w):
-            with mock.patch.object(jitted, "_vectors_in_float32", widen):
-                jitted.decode_steps.clear_cache()
-                logits, cache = gemma4.prefill(model, ids, max_cache_len=5 + 9)
-                first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-                results.append(gemma4.decode(model, first, cache, 9))
-        jitted.decode_steps.clear_cache()
-        (tokens, cache), (want_tokens, want_cache) = results
-        np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want_tokens))
-        for i, (got, want) in enumerate(zip(cache_leaves(cache), cache_leaves(want_cache))):
-            np.testing.assert_array_equal(got, want, err_msg=f"cache leaf {i}")
+        logits, cache = gemma4.prefill(model, ids, max_cache_len=5 + 6)
+        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        want_cache = jax.tree.map(jnp.copy, cache)
+        tokens, cache = gemma4.decode(model, first, cache, 6)
+        graph, plain = nnx.split(model)
+
+        @jax.jit
+        def step(weights, tok, c):
+            m = nnx.merge(graph, weights)
+            h, c = m.hidden_states(tok[:, None], mode="decode", cache=c)
+            return jnp.argmax(m.logits(h[:, 0]), axis=-1).astype(jnp.int32), c
+
+        tok, want = first, []
+        for _ in range(6):
+            tok, want_cache = step(plain, tok, want_cache)
+            want.append(tok)
+        np.testing.assert_array_equal(np.asarray(tokens), np.stack(want, axis=1))
+        for i, (got, ref) in enumerate(zip(cache_leaves(cache), cache_leaves(want_cache))):
+            np.testing.assert_array_equal(got, ref, err_msg=f"cache leaf {i}")
 
     def test_one_dispatch_per_block_and_one_model_flatten(self):
         model = lively_model(3)
