@@ -11,7 +11,8 @@ of trials of `--calls` back-to-back calls after warm-up. Tables last; JSON to $O
     python benchmarks/gemm.py --decode [--m 1,4,8,16] [--only 12b,31b_gate]
 
 --decode times the GEMV of decode instead (kernel="gemv", what "auto" runs for 1-16 rows) on
-every linear of Gemma 4 12B and 31B (DECODE_SHAPES): device time per call, the bytes it moves
+every linear of Gemma 4 12B and 31B and on the launches their decode makes of several weights
+at once (q/k/v, gate/up: w4a8_matmul_many) (DECODE_SHAPES): device time per call, the bytes it moves
 (MXFP4 codes, exponents and channel exponents, activations, output) per second, and that as a
 fraction of a device-to-device copy's bandwidth measured in the same run: (read + write) bytes
 per second of an XLA elementwise pass over 1 GiB, and over the same bytes as the weights (a
@@ -218,6 +219,11 @@ DECODE_SHAPES = {
     "31b_q_global": (16384, 5376), "31b_k_global": (2048, 5376),
     "31b_o_sliding": (5376, 8192), "31b_o_global": (5376, 16384),
     "31b_gate": (21504, 5376), "31b_down": (5376, 21504),
+    # The launches the models make (w4a8_matmul_many: q/k/v, gate/up in one launch).
+    "12b_qkv_sliding": ((4096, 2048, 2048), 3840), "12b_qk_global": ((8192, 512), 3840),
+    "12b_gate_up": ((15360, 15360), 3840),
+    "31b_qkv_sliding": ((8192, 4096, 4096), 5376), "31b_qk_global": ((16384, 2048), 5376),
+    "31b_gate_up": ((21504, 21504), 5376),
 }
 DECODE_ROWS = "1,4,8,16"
 # Buffers a timed call rotates over: at least this many bytes in all, so that L2 holds none of
@@ -249,32 +255,39 @@ def decode_main(args) -> None:
     rows, records = [], []
     sms = w4a8_module._sms()
     for name in names:
-        n, k = DECODE_SHAPES[name]
-        w = jax.random.normal(jax.random.key(n + k), (n, k), jnp.float32) / np.sqrt(k)
-        wq = quant.quantize_mxfp4(w, name=name)
-        del w
-        copies = rotation(wq.nbytes)
-        weights = [wq] + [jax.tree.map(lambda a: a + jnp.uint8(0), wq) for _ in range(copies - 1)]
-        same_s = copy_device_seconds(wq.nbytes, calls=args.calls)
+        ns, k = DECODE_SHAPES[name]
+        ns = ns if isinstance(ns, tuple) else (ns,)
+        wqs = [quant.quantize_mxfp4(
+            jax.random.normal(jax.random.key(n + k + i), (n, k), jnp.float32) / np.sqrt(k),
+            name=name) for i, n in enumerate(ns)]
+        nbytes = sum(w.nbytes for w in wqs)
+        copies = rotation(nbytes)
+        weights = [tuple(wqs)] + [tuple(jax.tree.map(lambda a: a + jnp.uint8(0), w) for w in wqs)
+                                  for _ in range(copies - 1)]
+        same_s = copy_device_seconds(nbytes, calls=args.calls)
+        label = " + ".join(str(n) for n in ns)
         for m in (int(v) for v in args.m.split(",")):
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
             xq, xs = jax.block_until_ready(ffi.quantize_activations(x))
-            fn = lambda a, b, c: ffi.w4a8_matmul(a, b, c, kernel="gemv")  # noqa: E731
+            fn = lambda a, b, ws: ffi.w4a8_matmul_many(a, b, ws, kernel="gemv")  # noqa: E731
             seconds = median_device_seconds_per_call(
                 fn, [(xq, xs, wi) for wi in weights], calls=max(args.calls, copies))
-            moved = wq.nbytes + xq.size + 4 * xs.size + 2 * m * n
-            splits = w4a8_module._gemv_plan(n, wq.shape[1], m, sms)[1]
-            rec = {"linear": name, "N": n, "K": k, "M": m, "bytes": moved, "seconds": seconds,
-                   "copy_gbps_1gib": copy_gbps, "copy_seconds_same_bytes": same_s,
-                   "splits": splits}
+            moved = nbytes + xq.size + 4 * xs.size + 2 * m * sum(ns)
+            # The plan as this process's handler would make it where clusters fit the GPU's
+            # SMs (the handler asks the device how many clusters fit: fewer splits, at times).
+            splits = w4a8_module._gemv_plan(ns, wqs[0].shape[1], m, sms,
+                                            w4a8_module._gemv_clusters())[1]
+            rec = {"linear": name, "N": list(ns), "K": k, "M": m, "bytes": moved,
+                   "seconds": seconds, "copy_gbps_1gib": copy_gbps,
+                   "copy_seconds_same_bytes": same_s, "splits": splits}
             if seconds is None:
-                rows.append([name, f"{n} x {k}", m, "-", "-", "-", "-", "-", splits])
+                rows.append([name, f"{label} x {k}", m, "-", "-", "-", "-", "-", splits])
             else:
                 gbps = moved / seconds / 1e9
-                same_gbps = 2 * wq.nbytes / same_s / 1e9 if same_s else None
+                same_gbps = 2 * nbytes / same_s / 1e9 if same_s else None
                 rec.update(gbps=gbps, fraction_of_copy=gbps / copy_gbps,
                            fraction_of_same_bytes_copy=gbps / same_gbps if same_gbps else None)
-                rows.append([name, f"{n} x {k}", m, f"{seconds * 1e6:.1f}", f"{gbps:.0f}",
+                rows.append([name, f"{label} x {k}", m, f"{seconds * 1e6:.1f}", f"{gbps:.0f}",
                              f"{gbps / copy_gbps:.0%}",
                              f"{same_s * 1e6:.1f}" if same_s else "-",
                              f"{gbps / same_gbps:.0%}" if same_gbps else "-", splits])
