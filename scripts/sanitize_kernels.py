@@ -192,11 +192,10 @@ def check_w4a8_gemv():
     """The decode GEMV ("gemv", and "auto" for 1-16 rows): 1, 3, 9 and 16 rows (one and two n8
     activation tiles), a partial weight tile (N = 24, 4104), K stored padded (2112, 704), and
     split-K: partials written to the scratch, counted, added by the last CTA of a tile (N = 512,
-    K = 3840: 30 splits on 132 SMs; K = 6144 with 9 rows: 48 groups in at least 4 splits).
+    K = 3840: 30 splits on 132 SMs; K = 6144 with 9 rows: 48 groups in at least 3 splits).
     On Hopper the splits of a tile are a thread-block cluster (partials added through
     distributed shared memory) unless more than 8 are needed: K = 24576 with 16 rows (192 groups,
-    at least 24 splits) takes the counters there too. Every shape streams its weights through
-    each thread's cp.async ring (kc of 1 to 30 groups: the ring's wrap and its drain). w4a8_matmul_many: three weights in one
+    at least 9 splits) takes the counters there too. w4a8_matmul_many: three weights in one
     launch (tiles of three weights in one list, each weight's last tile partial)."""
     shapes = ((1, 256, 128), (3, 24, 2112), (16, 4104, 384), (9, 264, 6144), (1, 512, 3840),
               (16, 136, 704), (16, 136, 24576))

@@ -30,12 +30,6 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
-// The wait for a thread that reads its own copies without a barrier after: the memory clobber
-// keeps the compiler from moving shared-memory reads above it (or earlier ones below it).
-template <int N>
-__device__ __forceinline__ void cp_async_wait_own() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 // ---- ldmatrix (sm_75+) -----------------------------------------------------
 

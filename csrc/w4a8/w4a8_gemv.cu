@@ -25,22 +25,19 @@
 // 16-byte shared-memory load of the same 8 k, which the staging wrote in that order.
 //
 // Work split. A CTA (8 warps) computes 128 output columns (weight rows, 16 a warp) over a range
-// of kc groups of K; its M activation rows of that range sit in shared memory as fp16 (converted
-// once per CTA; lanes whose n8 column is past M use zeros). Each lane streams its two rows'
-// 16-byte chunk and exponent word of each group through a ring of kW4A8GemvStages stages in
-// shared memory with cp.async, kW4A8GemvStages - 1 groups ahead of the one it multiplies: the
-// ring is the lane's own (it reads only what it copied), so no barrier guards it, and the
-// loads in flight hold no registers, which lets three CTAs share an SM (24 warps to hide the
-// dequantization's latency; ~72 KiB in flight an SM). One launch may hold up to three weights
-// that multiply the same activations (W4A8GemvWeights): their tiles are one list. Where the
-// tiles cannot fill the GPU, K is split (W4A8GemvMakePlan). On Hopper the splits of a tile are
-// one thread-block cluster: each CTA leaves its float32 partial tile in its shared memory, and
-// after a cluster barrier each CTA adds up a share of the tile's elements across the cluster's
-// CTAs (distributed shared memory) in split order. Elsewhere (or past
-// kW4A8GemvMaxClusterSplits splits) each CTA writes its partial to a workspace slot, raises its
-// tile's counter (zeroed before the launch), and the CTA that arrives last adds the slots in
-// split order. Either way the result does not depend on which CTA finished when (bitwise
-// repeatable), and only the rows below M are written and added.
+// of kc groups of K; its activation rows of that range sit in shared memory as fp16 (converted
+// once per CTA). Each lane streams 16-byte ld.global.nc.L1::no_allocate loads of its two rows,
+// 4 groups a batch, the next batch in flight while the current one is converted and multiplied
+// (8 loads of 16 bytes a lane, 32 KiB a CTA, 64 KiB an SM at two CTAs). One launch may hold up
+// to three weights that multiply the same activations (W4A8GemvWeights): their tiles are one
+// list. Where the tiles cannot fill the GPU, K is split (W4A8GemvMakePlan). On Hopper the
+// splits of a tile are one thread-block cluster: each CTA leaves its float32 partial tile in
+// its shared memory, and after a cluster barrier each CTA adds up a share of the tile's
+// elements across the cluster's CTAs (distributed shared memory) in split order. Elsewhere (or
+// past kW4A8GemvMaxClusterSplits splits) each CTA writes its partial to a workspace slot,
+// raises its tile's counter (zeroed before the launch), and the CTA that arrives last adds the
+// slots in split order. Either way the result does not depend on which CTA finished when
+// (bitwise repeatable), and only the rows below M are written and added.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
@@ -64,20 +61,14 @@ constexpr bool kBuildHasSm90a = true;
 #else
 constexpr bool kBuildHasSm90a = false;
 #endif
-constexpr int kThreads = kW4A8GemvThreads;
+constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRows = kW4A8GemvCtaRows;
 static_assert(kRows == 16 * kWarps, "a warp computes 16 weight rows");
 constexpr int kGroupBytes = kW4A8KMultiple / 2;  // packed bytes of a row per group
-constexpr int kStages = kW4A8GemvStages;
-// A ring stage: the chunks of every thread's first rows, of its second rows, then the
-// exponent words likewise (thread-contiguous: conflict-free 16- and 4-byte accesses).
-constexpr int kCodeBytes = kThreads * 16;
-constexpr int kExpBytes = kThreads * 4;
-static_assert(kW4A8GemvStageBytes == 2 * kCodeBytes + 2 * kExpBytes, "the ring stage's layout");
-constexpr int kRingBytes = kStages * kW4A8GemvStageBytes;
-static_assert(kRingBytes % 128 == 0, "the activations start aligned");
-static_assert(kW4A8GemvMaxRows * kRows * 4 <= kRingBytes, "a cluster's partial tile fits the ring");
+constexpr int kBatch = 4;                        // groups a lane loads at once
+constexpr int kRowPad = 64;  // activation rows 64 bytes past a multiple of 128: no conflicts
+constexpr int kMaxSmem = 96 * 1024;
 
 // fp16 high bytes of the e2m1 magnitudes 0, 0.5, 1, 1.5 / 2, 3, 4, 6; a block exponent offset d
 // adds 4 d to the nonzero ones (the fp16 exponent field starts at bit 2 of the high byte).
@@ -86,6 +77,13 @@ constexpr uint32_t kLutHi = 0x46444240u;
 constexpr uint32_t kStepLo = 0x04040400u;
 constexpr uint32_t kStepHi = 0x04040404u;
 constexpr int kChannelShift = 127;  // weight = fp16 value * 2^(channel_exp - 127)
+
+__host__ __device__ constexpr int act_stride(int kc) {
+  return kc * kW4A8KMultiple * 2 + kRowPad;
+}
+__host__ __device__ constexpr int smem_bytes(int rows8, int kc) { return rows8 * act_stride(kc); }
+static_assert(smem_bytes(8, kW4A8GemvMaxKcSmall) <= kMaxSmem, "activations of 1-8 rows");
+static_assert(smem_bytes(16, kW4A8GemvMaxKcLarge) <= kMaxSmem, "activations of 9-16 rows");
 
 // 8 codes of one word -> fp16x2 registers of k offsets {0, 1}, {2, 3}, {16, 17}, {18, 19}
 // (+ 4q within the block), the table already shifted by the block's offset.
@@ -121,14 +119,8 @@ __device__ __forceinline__ T pick(const T (&a)[kW4A8GemvMaxWeights], int i) {
 // Grid: plan.tiles x plan.splits CTAs, blockIdx.x = tile * splits + split (the tiles of all the
 // weights of `w`, in order); kCluster: clusters of plan.splits CTAs, one a tile. kMT: n8
 // activation tiles (1: M <= 8, 2: M <= 16).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-constexpr int kMinCtasPerSm = 2;  // sm_80/89: their shared memory holds two such CTAs at most
-#else
-constexpr int kMinCtasPerSm = kW4A8GemvCtasPerSm;
-#endif
-
 template <typename OutT, int kMT, bool kCluster>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
+__global__ void __launch_bounds__(kThreads, kW4A8GemvCtasPerSm)
     w4a8_gemv_kernel(const W4A8Args args, const W4A8GemvWeights w, const W4A8GemvPlan plan) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ __align__(128) uint8_t smem[];
@@ -146,8 +138,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   const int groups = args.kp / kW4A8KMultiple;
   const int j0 = split * plan.kc;
   const int kc = min(plan.kc, groups - j0);  // >= 1: the plan has no empty split
-  const int stride = static_cast<int>(W4A8GemvActStride(plan.kc));
-  uint8_t* const act_smem = smem + kRingBytes;  // after the ring
+  const int stride = act_stride(plan.kc);
 
   // This lane's weight rows r0 and r1 = r0 + 8 (masked past N: zero codes, no access).
   const int64_t n0 = tile * kRows + warp * 16;
@@ -165,31 +156,34 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       reinterpret_cast<const uint32_t*>(scales + (v1 ? r1 : 0) * scale_row) + j0;
   const uint8_t* channel_exp = pick(w.channel_exp, wi);
 
-  // Group j (of this CTA's range) into ring stage j % kStages: this thread's chunks and
-  // exponent words of its two rows (zeros for rows past N). One commit group a call, empty
-  // past kc, so that waiting for kStages - 2 pending groups always means group j has landed.
-  const bool warp_active = n0 < N;  // warp-uniform
-  const uint32_t ring = ptx::smem_addr(smem);
-  auto issue = [&](int j) {
-    if (warp_active && j < kc) {
-      const uint32_t st = ring + (j % kStages) * kW4A8GemvStageBytes;
-      ptx::cp_async_16(st + tid * 16, code0 + j * kGroupBytes, v0);
-      ptx::cp_async_16(st + kCodeBytes + tid * 16, code1 + j * kGroupBytes, v1);
-      ptx::w4a8::cp_async_4(st + 2 * kCodeBytes + tid * 4, exp0 + j, v0);
-      ptx::w4a8::cp_async_4(st + 2 * kCodeBytes + kExpBytes + tid * 4, exp1 + j, v1);
-    }
-    ptx::cp_async_commit();
-  };
+  // A batch: each lane's two 16-byte chunks of kBatch groups, and of its rows' exponent words
+  // the one of group jb + q (the four lanes of a row hold the batch's four; shuffled out below).
+  static_assert(kBatch == 4, "one exponent word a lane of a row's quad");
+  auto load = [&](int jb, uint4 (&wc)[2][kBatch], uint32_t (&e)[2]) {
 #pragma unroll
-  for (int j = 0; j < kStages - 1; ++j) issue(j);  // in flight while the activations are staged
+    for (int u = 0; u < kBatch; ++u) {
+      const bool in = jb + u < kc;
+      wc[0][u] = ptx::ld_nc_v4_or_zero<true>(code0 + (jb + u) * kGroupBytes, in && v0);
+      wc[1][u] = ptx::ld_nc_v4_or_zero<true>(code1 + (jb + u) * kGroupBytes, in && v1);
+    }
+    const bool in = jb + q < kc;
+    e[0] = in && v0 ? __ldg(exp0 + jb + q) : 0u;
+    e[1] = in && v1 ? __ldg(exp1 + jb + q) : 0u;
+  };
 
-  // Activations of groups [j0, j0 + kc) as fp16, rows below M only (zeros past K): row r at
-  // r * stride; block lb (local) at lb * 64 bytes; in it the 16 bytes of q hold k = 4q..4q+3
-  // and 16+4q..16+4q+3, the order of word_to_f16.
+  const bool warp_active = n0 < N;  // warp-uniform
+  uint4 cur_w[2][kBatch];
+  uint32_t cur_e[2];
+  if (warp_active) load(0, cur_w, cur_e);  // in flight while the activations are staged
+
+  // Activations of groups [j0, j0 + kc) as fp16, rows padded to 8 kMT with zeros (and zeros
+  // past K): row r at r * stride; block lb (local) at lb * 64 bytes; in it the 16 bytes of q
+  // hold k = 4q..4q+3 and 16+4q..16+4q+3, the order of word_to_f16.
   {
-    // kStageLoads (row, block) items a thread at once: their loads in flight together.
+    // kStageLoads (row, block) items a thread at once: their loads in flight together (at 16
+    // rows and kc = 23 that is 2 L2 round trips before the first product, not 6).
     constexpr int kStageLoads = 4;
-    const int blocks = kc * 4, items = static_cast<int>(M) * blocks;
+    const int blocks = kc * 4, items = 8 * kMT * blocks;
     for (int i0 = tid; i0 < items; i0 += kThreads * kStageLoads) {
       uint4 a[kStageLoads], b[kStageLoads];
 #pragma unroll
@@ -197,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
         const int i = i0 + s * kThreads;
         const int r = i / blocks, lb = i % blocks;
         const int64_t k = static_cast<int64_t>(j0) * kW4A8KMultiple + lb * 32;
-        const bool in = i < items && k < K;  // K % 32 == 0: blocks wholly in or out
+        const bool in = i < items && r < M && k < K;  // K % 32 == 0: blocks wholly in or out
         const uint8_t* src = args.x + (in ? r * K + k : 0);
         a[s] = ptx::ld_nc_v4_or_zero<false>(src, in);
         b[s] = ptx::ld_nc_v4_or_zero<false>(src + 16, in);
@@ -208,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
         if (i >= items) break;
         const uint32_t aw[4] = {a[s].x, a[s].y, a[s].z, a[s].w};
         const uint32_t bw[4] = {b[s].x, b[s].y, b[s].z, b[s].w};
-        uint8_t* dst = act_smem + (i / blocks) * stride + (i % blocks) * 64;
+        uint8_t* dst = smem + (i / blocks) * stride + (i % blocks) * 64;
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           *reinterpret_cast<uint4*>(dst + 16 * c) =
@@ -231,43 +225,43 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     // Table constants: block exponent s gives table s * step + c (c folds -R * step in).
     const uint32_t clo0 = kLutLo - ch0 * kStepLo, chi0 = kLutHi - ch0 * kStepHi;
     const uint32_t clo1 = kLutLo - ch1 * kStepLo, chi1 = kLutHi - ch1 * kStepHi;
-    // This lane's n8 column of activation tile t is row 8t + g: zeros at and past M.
-    bool act_in[kMT];
+    const uint8_t* act = smem + g * stride + q * 16;
+    for (int jb = 0; jb < kc; jb += kBatch) {
+      uint4 next_w[2][kBatch];
+      uint32_t next_e[2];
+      load(jb + kBatch, next_w, next_e);
 #pragma unroll
-    for (int t = 0; t < kMT; ++t) act_in[t] = 8 * t + g < M;
-    const uint8_t* act = act_smem + g * stride + q * 16;
-    for (int j = 0; j < kc; ++j) {
-      // Group j has landed (this thread's copies; the memory clobber keeps the reads after).
-      ptx::cp_async_wait_own<kStages - 2>();
-      const uint8_t* st = smem + (j % kStages) * kW4A8GemvStageBytes;
-      const uint4 w0 = *reinterpret_cast<const uint4*>(st + tid * 16);
-      const uint4 w1 = *reinterpret_cast<const uint4*>(st + kCodeBytes + tid * 16);
-      const uint32_t e0 = *reinterpret_cast<const uint32_t*>(st + 2 * kCodeBytes + tid * 4);
-      const uint32_t e1 =
-          *reinterpret_cast<const uint32_t*>(st + 2 * kCodeBytes + kExpBytes + tid * 4);
-      issue(j + kStages - 1);  // into the stage read at j - 1
+      for (int u = 0; u < kBatch; ++u) {
+        if (jb + u >= kc) break;
+        const uint32_t e0 = __shfl_sync(0xFFFFFFFFu, cur_e[0], (lane & ~3) | u);
+        const uint32_t e1 = __shfl_sync(0xFFFFFFFFu, cur_e[1], (lane & ~3) | u);
 #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const uint32_t s0 = (e0 >> (8 * b)) & 0xFFu;
-        const uint32_t s1 = (e1 >> (8 * b)) & 0xFFu;
-        uint32_t h0[4], h1[4];
-        word_to_f16(word_of(w0, b), s0 * kStepLo + clo0, s0 * kStepHi + chi0, h0);
-        word_to_f16(word_of(w1, b), s1 * kStepLo + clo1, s1 * kStepHi + chi1, h1);
-        const uint32_t a_lo[4] = {h0[0], h1[0], h0[1], h1[1]};
-        const uint32_t a_hi[4] = {h0[2], h1[2], h0[3], h1[3]};
+        for (int b = 0; b < 4; ++b) {
+          const uint32_t s0 = (e0 >> (8 * b)) & 0xFFu;
+          const uint32_t s1 = (e1 >> (8 * b)) & 0xFFu;
+          uint32_t h0[4], h1[4];
+          word_to_f16(word_of(cur_w[0][u], b), s0 * kStepLo + clo0, s0 * kStepHi + chi0, h0);
+          word_to_f16(word_of(cur_w[1][u], b), s1 * kStepLo + clo1, s1 * kStepHi + chi1, h1);
+          const uint32_t a_lo[4] = {h0[0], h1[0], h0[1], h1[1]};
+          const uint32_t a_hi[4] = {h0[2], h1[2], h0[3], h1[3]};
 #pragma unroll
-        for (int t = 0; t < kMT; ++t) {
-          const uint4 xb = act_in[t] ? *reinterpret_cast<const uint4*>(
-                                           act + 8 * t * stride + (j * 4 + b) * 64)
-                                     : make_uint4(0u, 0u, 0u, 0u);
-          const uint32_t b_lo[2] = {xb.x, xb.y}, b_hi[2] = {xb.z, xb.w};
-          ptx::mma_f16_16816(acc[t], a_lo, b_lo);
-          ptx::mma_f16_16816(acc[t], a_hi, b_hi);
+          for (int t = 0; t < kMT; ++t) {
+            const uint4 xb = *reinterpret_cast<const uint4*>(act + 8 * t * stride +
+                                                             ((jb + u) * 4 + b) * 64);
+            const uint32_t b_lo[2] = {xb.x, xb.y}, b_hi[2] = {xb.z, xb.w};
+            ptx::mma_f16_16816(acc[t], a_lo, b_lo);
+            ptx::mma_f16_16816(acc[t], a_hi, b_hi);
+          }
         }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) cur_w[h][u] = next_w[h][u];
+        cur_e[h] = next_e[h];
       }
     }
   }
-  ptx::cp_async_wait_own<0>();  // nothing lands in the ring once it holds partials
 
   // acc[t] = {y(m, r0), y(m + 1, r0), y(m, r1), y(m + 1, r1)} before scaling, m = 8t + 2q.
   const int c0 = warp * 16 + g, c1 = c0 + 8;  // columns within the tile
@@ -388,10 +382,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
 #endif  // older archs compile an empty kernel that the launcher never starts
 }
 
-// Dynamic shared memory: the ring, then the activations (a cluster's partial tile reuses the
-// ring).
-int SmemBytes(const W4A8Args& args, const W4A8GemvPlan& plan) {
-  return kRingBytes + static_cast<int>(args.m * W4A8GemvActStride(plan.kc));
+// Dynamic shared memory: the activations, and with clusters the partial tile after them.
+int SmemBytes(const W4A8GemvPlan& plan) {
+  const int act = smem_bytes(plan.rows8, plan.kc);
+  const int partial = plan.rows8 * kRows * 4;
+  return plan.cluster && partial > act ? partial : act;
 }
 
 template <typename OutT, int kMT, bool kCluster>
@@ -399,8 +394,8 @@ cudaError_t Launch(const W4A8Args& args, const W4A8GemvWeights& w, const W4A8Gem
                    cudaStream_t stream) {
   auto kernel = w4a8_gemv_kernel<OutT, kMT, kCluster>;
   // Not a stream operation, so it is allowed while a CUDA graph is being captured.
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         kW4A8GemvSmemBytes);
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
   if (err != cudaSuccess) return err;
   if (plan.splits > 1 && !kCluster) {
     // The tiles' arrival counters down; a stream operation, captured with the launch.
@@ -408,7 +403,7 @@ cudaError_t Launch(const W4A8Args& args, const W4A8GemvWeights& w, const W4A8Gem
     if (err != cudaSuccess) return err;
   }
   ClusterLaunchConfig launch(dim3(static_cast<unsigned>(plan.tiles * plan.splits)),
-                             dim3(kThreads), SmemBytes(args, plan), stream,
+                             dim3(kThreads), SmemBytes(plan), stream,
                              kCluster ? static_cast<unsigned>(plan.splits) : 1u);
   err = cudaLaunchKernelEx(&launch.cfg, kernel, args, w, plan);
   if (err != cudaSuccess) return err;
@@ -455,8 +450,8 @@ bool DeviceRunsClusters() {
 }
 
 // The CTAs that clusters of s CTAs (s = 2 .. kW4A8GemvMaxClusterSplits) fit on the current
-// device at once (cudaOccupancyMaxActiveClusters x s), asked once per device; slots[s] = 0
-// where it cannot tell (the plan then counts every SM's slots).
+// device at once (cudaOccupancyMaxActiveClusters x s, for the kernel at its most shared
+// memory), asked once per device; where it cannot tell, every SM's slots.
 const int64_t* ClusterSlots() {
   constexpr int kSizes = kW4A8GemvMaxClusterSplits + 1;
   static std::atomic<int64_t> slots[kW4A8MaxDevices][kSizes] = {};
@@ -469,13 +464,14 @@ const int64_t* ClusterSlots() {
   }
   if (!asked[device].load(std::memory_order_acquire)) {
     auto kernel = w4a8_gemv_kernel<float, 1, true>;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             kW4A8GemvSmemBytes) != cudaSuccess) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem) !=
+        cudaSuccess) {
       cudaGetLastError();
       return nullptr;
     }
     for (int s = 2; s < kSizes; ++s) {
-      ClusterLaunchConfig launch(dim3(s), dim3(kThreads), kW4A8GemvSmemBytes, nullptr, s);
+      // Not a stream operation: allowed while a CUDA graph is being captured.
+      ClusterLaunchConfig launch(dim3(s), dim3(kThreads), kMaxSmem, nullptr, s);
       int clusters = 0;
       if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.cfg) != cudaSuccess) {
         cudaGetLastError();

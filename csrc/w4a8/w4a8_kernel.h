@@ -119,23 +119,13 @@ cudaError_t LaunchW4A8WgmmaWs(const W4A8Args& args, bool e4m3, cudaStream_t stre
 
 // Rows the GEMV takes (its activation rows are one or two n8 operands of m16n8k16).
 constexpr int64_t kW4A8GemvMaxRows = 16;
-// A CTA (kW4A8GemvThreads threads) computes kW4A8GemvCtaRows output columns (weight rows) over
-// kc groups of 128 of K. Its shared memory: a ring of kW4A8GemvStages stages, each one group of
-// every thread's two weight rows (16 code bytes and a 4-byte exponent word a row), then the M
-// activation rows of its kc groups as fp16 (each row padded by kW4A8GemvActRowPad bytes).
-// kW4A8GemvSmemBytes bounds it so that three CTAs share an SM: kc <= W4A8GemvMaxKc(M).
-constexpr int kW4A8GemvThreads = 256;
+// A CTA computes kW4A8GemvCtaRows output columns (weight rows) over kc groups of 128 of K, with
+// the activations of those groups in shared memory as fp16 (rows padded to 8 or 16, each row
+// padded by 64 bytes): kc <= 47 for 1-8 rows, 23 for 9-16 (at most 96 KiB). Two CTAs an SM.
 constexpr int kW4A8GemvCtaRows = 128;
-constexpr int kW4A8GemvCtasPerSm = 3;
-constexpr int kW4A8GemvStages = 4;
-constexpr int kW4A8GemvStageBytes = kW4A8GemvThreads * 2 * (16 + 4);
-constexpr int kW4A8GemvActRowPad = 64;
-constexpr int kW4A8GemvSmemBytes = 74 * 1024;  // + 1 KiB the driver reserves, x 3 <= 228 KiB
-constexpr int64_t W4A8GemvActStride(int64_t kc) { return kc * kW4A8KMultiple * 2 + kW4A8GemvActRowPad; }
-constexpr int64_t W4A8GemvMaxKc(int64_t m) {
-  const int64_t per_row = (kW4A8GemvSmemBytes - kW4A8GemvStages * kW4A8GemvStageBytes) / m;
-  return (per_row - kW4A8GemvActRowPad) / (kW4A8KMultiple * 2);
-}
+constexpr int kW4A8GemvCtasPerSm = 2;
+constexpr int kW4A8GemvMaxKcSmall = 47;  // rows <= 8
+constexpr int kW4A8GemvMaxKcLarge = 23;  // rows 9..16
 // How many splits the plan may consider past the fewest (a bound on the host's search).
 constexpr int kW4A8GemvSplitSearch = 64;
 // A CTA's fixed cost in the plan, in groups of its stream: its first loads' latency, the
@@ -165,15 +155,16 @@ inline int64_t W4A8CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // The split rule (jax_mila/ffi/w4a8.py, _gemv_plan, is the same function) for `tiles` tiles of
 // output columns. Splits that share their K ranges with fewer splits
 // (ceil(groups / ceil(groups / s)) < s) are never chosen.
-//  * At least s_min splits: a CTA's K range must fit its shared memory (kc <= W4A8GemvMaxKc(m)).
+//  * At least s_min splits: a CTA's K range must fit its shared memory (kc <= kc_max).
 //  * One wave where it can: the most splits whose CTAs all fit on the GPU at once
-//    (kW4A8GemvCtasPerSm x SMs slots); N alone fills it from 396 tiles on 132 SMs.
+//    (kW4A8GemvCtasPerSm x SMs slots); N alone fills it from 256 tiles (N = 32768) on.
 //  * Else (s_min splits already exceed a wave) the splits that minimize the longest stream,
 //    ceil(CTAs / slots) waves x (kc + kW4A8GemvCtaOverhead) groups, ties to fewer splits.
 //  * `cluster` (the device and build can run cluster split-K) and s_min <=
 //    kW4A8GemvMaxClusterSplits: the same rule with at most that many splits, as clusters, where
 //    the slots of s splits are `cluster_slots[s]` when given: the CTAs that clusters of s fit on
-//    the GPU at once (fewer than the SMs' slots where a GPC's SMs do not divide into clusters).
+//    the GPU at once, fewer than the SMs' slots where a GPC's SMs do not divide into clusters
+//    (an H100: 62 clusters of 4, 248 CTAs, not 264).
 // `sms` <= 0: s_min (the least workspace).
 inline W4A8GemvPlan W4A8GemvMakePlan(int64_t tiles, int kp, int64_t m, int sms, bool cluster,
                                      const int64_t* cluster_slots = nullptr) {
@@ -181,7 +172,8 @@ inline W4A8GemvPlan W4A8GemvMakePlan(int64_t tiles, int kp, int64_t m, int sms, 
   p.tiles = tiles;
   p.rows8 = m <= 8 ? 8 : 16;
   const int64_t groups = kp / kW4A8KMultiple;
-  const int64_t s_min = W4A8CeilDiv(groups, W4A8GemvMaxKc(m));
+  const int64_t kc_max = m <= 8 ? kW4A8GemvMaxKcSmall : kW4A8GemvMaxKcLarge;
+  const int64_t s_min = W4A8CeilDiv(groups, kc_max);
   cluster = cluster && s_min <= kW4A8GemvMaxClusterSplits;
   const int64_t s_cap = cluster && groups > kW4A8GemvMaxClusterSplits ? kW4A8GemvMaxClusterSplits
                                                                        : groups;

@@ -82,12 +82,8 @@ _WGMMA_KERNELS = ("wgmma_ws", "wgmma_ws_e4m3")
 # "auto" sends to it. Its split-K plan, _gemv_plan, sizes the scratch.
 GEMV_MAX_ROWS = 16
 _GEMV_CTA_ROWS = 128
-_GEMV_CTAS_PER_SM = 3
-# A CTA's shared memory (csrc/w4a8/w4a8_kernel.h): a ring of 4 stages of 256 threads x 2 rows x
-# (16 + 4) bytes, then M activation rows of kc groups as fp16 (+ 64 bytes a row), in 74 KiB.
-_GEMV_SMEM_BYTES = 74 * 1024
-_GEMV_RING_BYTES = 4 * 256 * 2 * (16 + 4)
-_GEMV_ACT_ROW_PAD = 64
+_GEMV_CTAS_PER_SM = 2
+_GEMV_MAX_KC = {8: 47, 16: 23}  # groups of 128 of K a CTA's shared memory holds, by rows8
 _GEMV_SPLIT_SEARCH = 64
 _GEMV_CTA_OVERHEAD = 2
 _GEMV_MAX_CLUSTER_SPLITS = 8  # kW4A8GemvMaxClusterSplits
@@ -221,13 +217,6 @@ def _gemv_tiles(n) -> int:
     return sum(_ceil_div(int(v), _GEMV_CTA_ROWS) for v in ns)
 
 
-def _gemv_max_kc(m: int) -> int:
-    """Groups of 128 of K whose M activation rows fit a CTA's shared memory beside the ring
-    (W4A8GemvMaxKc)."""
-    per_row = (_GEMV_SMEM_BYTES - _GEMV_RING_BYTES) // m
-    return (per_row - _GEMV_ACT_ROW_PAD) // (2 * GROUP)
-
-
 def _gemv_plan(n, kp: int, m: int, sms: int, cluster: bool = False,
                cluster_slots=None) -> tuple[int, int, int, int]:
     """(tiles, splits, kc, rows8) of the GEMV of the weights of N = n (an int, or a sequence for
@@ -235,12 +224,12 @@ def _gemv_plan(n, kp: int, m: int, sms: int, cluster: bool = False,
     (W4A8GemvMakePlan, which documents it), the same function. sms <= 0: the fewest splits;
     ``cluster``: the process runs cluster split-K (at most _GEMV_MAX_CLUSTER_SPLITS splits where
     the fewest fit in that many); ``cluster_slots[s]``: the CTAs clusters of s fit on the GPU at
-    once (the handler asks the device; None counts every SM's slots, an upper bound: the
-    splits this returns are then at least the handler's, and so is the scratch they need)."""
+    once (the handler asks the device; None counts every SM's slots, an upper bound: the splits
+    this returns are then at least the handler's)."""
     tiles = _gemv_tiles(n)
     rows8 = 8 if m <= 8 else 16
     groups = kp // GROUP
-    s_min = _ceil_div(groups, _gemv_max_kc(m))
+    s_min = _ceil_div(groups, _GEMV_MAX_KC[rows8])
     cluster = cluster and s_min <= _GEMV_MAX_CLUSTER_SPLITS
     s_cap = min(groups, _GEMV_MAX_CLUSTER_SPLITS) if cluster else groups
     s = s_min
@@ -273,7 +262,7 @@ def _gemv_workspace_bytes(n, kp: int, m: int, sms: int, cluster: bool = False) -
     (``cluster`` and at most _GEMV_MAX_CLUSTER_SPLITS splits); else a 4-byte arrival counter per
     tile, 256-byte aligned, then one float32 [rows8, 128] partial per (tile, split)."""
     tiles, splits, _, rows8 = _gemv_plan(n, kp, m, sms, cluster)
-    s_min = _ceil_div(kp // GROUP, _gemv_max_kc(m))
+    s_min = _ceil_div(kp // GROUP, _GEMV_MAX_KC[rows8])
     if splits <= 1 or (cluster and s_min <= _GEMV_MAX_CLUSTER_SPLITS):
         return 0
     return _ceil_div(4 * tiles, 256) * 256 + tiles * splits * rows8 * _GEMV_CTA_ROWS * 4
