@@ -326,6 +326,26 @@ class BenchTest(absltest.TestCase):
         self.assertLen(rows, 1)
         self.assertTrue(rows[0]["status"].startswith("not run (worker exited"), msg=str(rows[0]))
 
+    def test_worker_imports_the_parents_package_not_the_working_directorys(self):
+        # A checkout as the working directory, its package shadowing the installed one: the
+        # worker must import the jax_mila this process runs (the decoy would exit 3).
+        with tempfile.TemporaryDirectory() as cwd:
+            os.makedirs(os.path.join(cwd, "jax_mila", "bench"))
+            for init in ("jax_mila/__init__.py", "jax_mila/bench/__init__.py"):
+                with open(os.path.join(cwd, init), "w") as f:
+                    f.write("import sys\nprint('DECOY jax_mila')\nsys.exit(3)\n")
+            old = os.getcwd()
+            os.chdir(cwd)
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    rows = bench.main(["--model", "embedded", "--seqs", "16", "--backends",
+                                       "mila", "--reps", "1", "--no-profile", "--seed", "-1"])
+            finally:
+                os.chdir(old)
+        self.assertLen(rows, 1)
+        self.assertIn("worker exited 1", rows[0]["status"])  # the real worker's seed error
+        self.assertNotIn("DECOY", rows[0]["status"])
+
     def test_report_ratios_and_failures(self):
         rows = [dict(backend="mila", seq=8, status="ok", tokens_per_s=300.0, median_s=0.1,
                      first_s=1.0, chunk=8, peak_bytes=3 * 2**30, weights_bytes=2**30,

@@ -385,7 +385,10 @@ def run_worker(spec: dict, timeout: float, *, module: str = "jax_mila.bench.pref
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with nothing held back
     root = os.path.dirname(os.path.dirname(os.path.abspath(jax_mila.__file__)))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, "-m", module, "--worker", json.dumps(spec)]
+    # -P: the working directory does not go first on the child's path. From a checkout whose
+    # package is installed (built), `-m` would otherwise import the checkout's jax_mila, which
+    # has no compiled extension, and time the reference path instead of the kernels.
+    cmd = [sys.executable, "-P", "-m", module, "--worker", json.dumps(spec)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
