@@ -224,8 +224,9 @@ def _gemv_plan(n, kp: int, m: int, sms: int, cluster: bool = False,
     (W4A8GemvMakePlan, which documents it), the same function. sms <= 0: the fewest splits;
     ``cluster``: the process runs cluster split-K (at most _GEMV_MAX_CLUSTER_SPLITS splits where
     the fewest fit in that many); ``cluster_slots[s]``: the CTAs clusters of s fit on the GPU at
-    once (the handler asks the device; None counts every SM's slots, an upper bound: the splits
-    this returns are then at least the handler's)."""
+    once (the handler asks the device; None counts every SM's slots, so the handler may take
+    fewer splits than this returns where clusters fit fewer CTAs; either way clusters need no
+    scratch)."""
     tiles = _gemv_tiles(n)
     rows8 = 8 if m <= 8 else 16
     groups = kp // GROUP
