@@ -229,6 +229,14 @@ class MedianDeviceSecondsTest(absltest.TestCase):
         self.assertAlmostEqual(bench.tb_per_s(4_000_000, 2.0), 2.0)  # 4 MB in 2 us
 
 
+    def test_copy_bandwidth_is_none_on_cpu_without_touching_its_buffers(self):
+        # The decode benchmark asks for a 1 GiB copy's bandwidth: on a CPU, None at once
+        # (passes over 2 GiB of buffers there took tens of seconds for nothing).
+        bench = _load_bench()
+        with mock.patch.object(jnp, "full", side_effect=AssertionError("allocated")):
+            self.assertIsNone(bench.copy_device_seconds(1 << 30))
+
+
 class GemmKernelsScriptTest(absltest.TestCase):
 
     def test_both_paths_on_the_cpu(self):

@@ -123,8 +123,13 @@ def rotation(nbytes: int) -> int:
 def copy_device_seconds(nbytes: int, *, calls: int = 10) -> float | None:
     """Device seconds per pass of an XLA elementwise kernel reading and writing ``nbytes`` (a
     device-to-device copy's traffic: 2 x nbytes moved), over rotating buffers: the bandwidth
-    the memory-bound kernels are held against. None without device kernels (a CPU run)."""
+    the memory-bound kernels are held against. None without device kernels (a CPU run, asked
+    before any work: a CPU would take tens of seconds over the buffers for nothing)."""
+    import jax
     import jax.numpy as jnp
+
+    if jax.default_backend() == "cpu":
+        return None
 
     words = max(nbytes // 4, 1)
     bufs = [(jnp.full((words,), i, jnp.uint32),) for i in range(rotation(nbytes))]
