@@ -10,12 +10,16 @@ Needs an sm_90 GPU and nvcc (PATH, $CUDA_HOME or /usr/local/cuda).
     python3 benchmarks/wgmma_loop.py [--tiles 4096]
     python3 benchmarks/wgmma_loop.py --micro alu_overlap [--tiles 20000]
     python3 benchmarks/wgmma_loop.py --micro smem_traffic [--tiles 20000]
+    python3 benchmarks/wgmma_loop.py --micro gemv_stream [--tiles 50]
 
 --micro alu_overlap runs benchmarks/micro/wgmma_alu_overlap.cu instead: whether integer work
 beside FP8 wgmmas in flight slows them, with A from registers or from shared memory (--tiles is
 then its number of 8-wgmma batches). --micro smem_traffic runs benchmarks/micro/wgmma_smem_traffic.cu:
 how much shared-memory bandwidth other warps get beside FP8 wgmmas at the full rate (--tiles: its
-number of 8-wgmma batches).
+number of 8-wgmma batches). --micro gemv_stream runs benchmarks/micro/gemv_stream.cu: what a
+decode GEMV launch of the 12B costs before its arithmetic (an empty launch of its grid, plain and
+as clusters; its bytes streamed with the GEMV's access pattern, coalesced, and copied; --tiles:
+launches a CUDA graph).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --micro: its source under benchmarks/micro and the default of the count it takes.
 MICROS = {"loop": ("wgmma_fp8_loop.cu", 4096), "alu_overlap": ("wgmma_alu_overlap.cu", 20000),
-          "smem_traffic": ("wgmma_smem_traffic.cu", 20000)}
+          "smem_traffic": ("wgmma_smem_traffic.cu", 20000), "gemv_stream": ("gemv_stream.cu", 50)}
 
 
 def _nvcc() -> str:
@@ -48,7 +52,8 @@ def main() -> int:
     parser.add_argument("--micro", choices=sorted(MICROS), default="loop")
     parser.add_argument("--tiles", type=int, default=None,
                         help="K tiles per CTA, even (default 4096); alu_overlap, "
-                             "smem_traffic: batches (default 20000)")
+                             "smem_traffic: batches (default 20000); gemv_stream: launches "
+                             "a graph (default 50)")
     args = parser.parse_args()
     name, default_count = MICROS[args.micro]
     source = os.path.join(ROOT, "benchmarks", "micro", name)
