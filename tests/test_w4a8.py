@@ -369,10 +369,10 @@ class W4A8ReferenceTest(parameterized.TestCase):
 
     # With cluster split-K (a Hopper process with sm_90a code): at most 8 splits, no scratch,
     # unless the fewest splits already exceed 8 (K of 24576 at 16 rows: the counters). N a
-    # tuple: one launch of several weights (the 12B's q, k, v of a sliding layer). CAPS: the
-    # CTAs clusters of each size fit at once, as a device reports them (an H100: 62 clusters of
-    # 4 = 248 CTAs, not 2 x 132, where a GPC's SMs do not divide into clusters): the plan takes
-    # fewer splits rather than a second wave.
+    # tuple: one launch of several weights (the 12B's sliding q, k, v: 4096 + 2048 + 2048).
+    # CAPS: the CTAs clusters of each size fit at once, as a device reports them (an H100, by
+    # ncu: 79 clusters of 3, 62 of 4, 30 of 8, where a GPC's SMs do not divide into clusters;
+    # the other sizes made up): the plan takes fewer splits rather than a second wave.
     CAPS = {2: 264, 3: 237, 4: 248, 5: 240, 6: 240, 7: 231, 8: 240}
     GEMV_CLUSTER_PLANS = [
         ((3840, 15360, 1, 132), (30, 8, 15, 8), 0),
