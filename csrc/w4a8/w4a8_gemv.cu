@@ -265,22 +265,35 @@ __global__ void __launch_bounds__(kThreads, kW4A8GemvCtasPerSm)
 
   // acc[t] = {y(m, r0), y(m + 1, r0), y(m, r1), y(m + 1, r1)} before scaling, m = 8t + 2q.
   const int c0 = warp * 16 + g, c1 = c0 + 8;  // columns within the tile
-  if constexpr (kCluster) {
-    // The partial tile [M][kRows] in this CTA's shared memory (the activations are done with),
-    // then each CTA of the cluster sums a share of its elements over the cluster in split
-    // order (the cluster rank is the split: the splits of a tile are consecutive CTAs).
-    __syncthreads();
-    float* partial = reinterpret_cast<float*>(smem);
+  // This thread's part of the partial tile [M][kRows] at `dst` (rows below M only).
+  auto write_partial = [&](float* dst) {
 #pragma unroll
     for (int t = 0; t < kMT; ++t)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int m = 8 * t + 2 * q + e;
         if (m < M) {
-          partial[m * kRows + c0] = acc[t][e];
-          partial[m * kRows + c1] = acc[t][2 + e];
+          dst[m * kRows + c0] = acc[t][e];
+          dst[m * kRows + c1] = acc[t][2 + e];
         }
       }
+  };
+  // out[m, col] = y in the output's dtype.
+  auto store = [&](int64_t m, int64_t col, float y) {
+    OutT* out = static_cast<OutT*>(pick(w.out, wi));
+    if constexpr (std::is_same_v<OutT, float>) {
+      out[m * N + col] = y;
+    } else {
+      out[m * N + col] = __float2bfloat16_rn(y);
+    }
+  };
+  if constexpr (kCluster) {
+    // The partial tile [M][kRows] in this CTA's shared memory (the activations are done with),
+    // then each CTA of the cluster sums a share of its elements over the cluster in split
+    // order (the cluster rank is the split: the splits of a tile are consecutive CTAs).
+    __syncthreads();
+    float* partial = reinterpret_cast<float*>(smem);
+    write_partial(partial);
     ptx::sm90::cluster_sync();  // every partial written and visible to the cluster
     const uint32_t base = ptx::smem_addr(partial);
     const int elems = static_cast<int>(M) * kRows;
@@ -300,13 +313,7 @@ __global__ void __launch_bounds__(kThreads, kW4A8GemvCtasPerSm)
       const int64_t col = tile * kRows + i % kRows;
       if (col < N) {
         const float ws = ldexpf(1.f, static_cast<int>(channel_exp[col]) - kChannelShift);
-        const float y = sum * ws * args.x_scale[m];
-        OutT* out = static_cast<OutT*>(pick(w.out, wi));
-        if constexpr (std::is_same_v<OutT, float>) {
-          out[m * N + col] = y;
-        } else {
-          out[m * N + col] = __float2bfloat16_rn(y);
-        }
+        store(m, col, sum * ws * args.x_scale[m]);
       }
     }
     ptx::sm90::cluster_sync();  // no CTA leaves while another may still read its partial
@@ -319,16 +326,7 @@ __global__ void __launch_bounds__(kThreads, kW4A8GemvCtasPerSm)
     float* mine = slots + (list_tile * plan.splits + split) * slot_elems;
     // The rows below M of the slot, zeros included (columns past N, idle warps); the last
     // arrival reads those rows only.
-#pragma unroll
-    for (int t = 0; t < kMT; ++t)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int m = 8 * t + 2 * q + e;
-        if (m < M) {
-          mine[m * kRows + c0] = acc[t][e];
-          mine[m * kRows + c1] = acc[t][2 + e];
-        }
-      }
+    write_partial(mine);
     __threadfence();  // the slot before the arrival, at GPU scope
     __syncthreads();
     if (tid == 0) {
@@ -362,7 +360,6 @@ __global__ void __launch_bounds__(kThreads, kW4A8GemvCtasPerSm)
   if (!warp_active) return;
   const float ws0 = v0 ? ldexpf(1.f, static_cast<int>(ch0) - kChannelShift) : 0.f;
   const float ws1 = v1 ? ldexpf(1.f, static_cast<int>(ch1) - kChannelShift) : 0.f;
-  OutT* out = static_cast<OutT*>(pick(w.out, wi));
 #pragma unroll
   for (int t = 0; t < kMT; ++t)
 #pragma unroll
@@ -370,14 +367,8 @@ __global__ void __launch_bounds__(kThreads, kW4A8GemvCtasPerSm)
       const int64_t m = 8 * t + 2 * q + e;
       if (m >= M) continue;
       const float xs = args.x_scale[m];
-      const float y0 = acc[t][e] * ws0 * xs, y1 = acc[t][2 + e] * ws1 * xs;
-      if constexpr (std::is_same_v<OutT, float>) {
-        if (v0) out[m * N + r0] = y0;
-        if (v1) out[m * N + r1] = y1;
-      } else {
-        if (v0) out[m * N + r0] = __float2bfloat16_rn(y0);
-        if (v1) out[m * N + r1] = __float2bfloat16_rn(y1);
-      }
+      if (v0) store(m, r0, acc[t][e] * ws0 * xs);
+      if (v1) store(m, r1, acc[t][2 + e] * ws1 * xs);
     }
 #endif  // older archs compile an empty kernel that the launcher never starts
 }
