@@ -217,6 +217,17 @@ def _gemv_tiles(n) -> int:
     return sum(_ceil_div(int(v), _GEMV_CTA_ROWS) for v in ns)
 
 
+def _gemv_min_splits(kp: int, m: int) -> int:
+    """The fewest splits of K whose CTAs' activations fit their shared memory."""
+    return _ceil_div(kp // GROUP, _GEMV_MAX_KC[8 if m <= 8 else 16])
+
+
+def _gemv_splits_in_clusters(kp: int, m: int, cluster: bool) -> bool:
+    """Whether a process that runs cluster split-K (``cluster``) runs this call's splits as
+    clusters: where the fewest fit in _GEMV_MAX_CLUSTER_SPLITS (W4A8GemvMakePlan)."""
+    return cluster and _gemv_min_splits(kp, m) <= _GEMV_MAX_CLUSTER_SPLITS
+
+
 def _gemv_plan(n, kp: int, m: int, sms: int, cluster: bool = False,
                cluster_slots=None) -> tuple[int, int, int, int]:
     """(tiles, splits, kc, rows8) of the GEMV of the weights of N = n (an int, or a sequence for
@@ -230,8 +241,8 @@ def _gemv_plan(n, kp: int, m: int, sms: int, cluster: bool = False,
     tiles = _gemv_tiles(n)
     rows8 = 8 if m <= 8 else 16
     groups = kp // GROUP
-    s_min = _ceil_div(groups, _GEMV_MAX_KC[rows8])
-    cluster = cluster and s_min <= _GEMV_MAX_CLUSTER_SPLITS
+    s_min = _gemv_min_splits(kp, m)
+    cluster = _gemv_splits_in_clusters(kp, m, cluster)
     s_cap = min(groups, _GEMV_MAX_CLUSTER_SPLITS) if cluster else groups
     s = s_min
     if sms > 0:
@@ -263,8 +274,7 @@ def _gemv_workspace_bytes(n, kp: int, m: int, sms: int, cluster: bool = False) -
     (``cluster`` and at most _GEMV_MAX_CLUSTER_SPLITS splits); else a 4-byte arrival counter per
     tile, 256-byte aligned, then one float32 [rows8, 128] partial per (tile, split)."""
     tiles, splits, _, rows8 = _gemv_plan(n, kp, m, sms, cluster)
-    s_min = _ceil_div(kp // GROUP, _GEMV_MAX_KC[rows8])
-    if splits <= 1 or (cluster and s_min <= _GEMV_MAX_CLUSTER_SPLITS):
+    if splits <= 1 or _gemv_splits_in_clusters(kp, m, cluster):
         return 0
     return _ceil_div(4 * tiles, 256) * 256 + tiles * splits * rows8 * _GEMV_CTA_ROWS * 4
 

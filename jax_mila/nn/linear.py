@@ -74,9 +74,7 @@ def project_many(linears, x) -> tuple:
     ``w4a8_matmul_many``: in decode (at most 16 rows) the GEMV runs up to three weights in one
     launch."""
     linears = tuple(linears)
-    if (isinstance(x, QuantizedRows) and len(linears) > 1
-            and all(lin.quantize == "w4a8" for lin in linears)
-            and len({lin.backend for lin in linears}) == 1
+    if (isinstance(x, QuantizedRows) and len(linears) > 1 and shares_quantized_input(*linears)
             and len({lin.quantized_out_dtype() for lin in linears}) == 1):
         for lin in linears:
             lin.check_quantized_input(x.q, x.scale)
