@@ -42,6 +42,7 @@ class ExampleTest(absltest.TestCase):
                             for f in result["fallbacks"]), result["fallbacks"])
         runs = result["runs"]
         self.assertLess(runs["attention"]["hidden_rel_err"], 0.02)
+        self.assertGreaterEqual(runs["attention"]["top1_agree"], 0.95)
         self.assertGreater(runs["w4a8"]["hidden_rel_err"], 0.05)
         self.assertLess(runs["w4a8"]["hidden_rel_err"], 0.6)
         for run in runs.values():
