@@ -91,6 +91,12 @@ def assert_row_cache(test, model, got, want, row: int, length: int, *, atol):
 
 class PrefillLengthsTest(parameterized.TestCase):
 
+    def setUp(self):
+        super().setUp()
+        # Rows against the row alone at 1e-4: float32 dots. XLA:GPU's default precision runs
+        # them as TF32, whose rounding differs between the batch's shapes and the row's.
+        self.enter_context(jax.default_matmul_precision("float32"))
+
     @parameterized.named_parameters(
         ("one_chunk", None, {}, None),
         ("chunks_of_2", 2, {}, None),
@@ -144,6 +150,12 @@ class PrefillLengthsTest(parameterized.TestCase):
 
 
 class GenerateLengthsTest(parameterized.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        # Rows against the row alone at 1e-4: float32 dots. XLA:GPU's default precision runs
+        # them as TF32, whose rounding differs between the batch's shapes and the row's.
+        self.enter_context(jax.default_matmul_precision("float32"))
 
     @parameterized.named_parameters(
         ("one_chunk", None, {}, "reference"),
