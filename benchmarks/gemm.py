@@ -8,7 +8,7 @@ of trials of `--calls` back-to-back calls after warm-up. Tables last; JSON to $O
 
     python benchmarks/gemm.py [--m 16384,1024] [--only qkv,down] [--kernels auto,mma_sync]
                               [--shapes 8192x8192,8192x15360] [--interleave]
-    python benchmarks/gemm.py --decode [--m 1,4,8,16] [--only 12b,31b_gate]
+    python benchmarks/gemm.py --decode [--m 1,4,8,16] [--only 12b,31b_gate] [--launches 8]
 
 --decode times the GEMV of decode instead (kernel="gemv", what "auto" runs for 1-16 rows) on
 every linear of Gemma 4 12B and 31B and on the launches their decode makes of several weights
@@ -17,7 +17,9 @@ at once (q/k/v, gate/up: w4a8_matmul_many) (DECODE_SHAPES): device time per call
 fraction of a device-to-device copy's bandwidth measured in the same run: (read + write) bytes
 per second of an XLA elementwise pass over 1 GiB, and over the same bytes as the weights (a
 launch of that size has the same fixed costs). Weights and copies rotate over enough buffers
-that L2 (50 MiB on an H100) does not serve repeats. JSON to $OUT/gemm_decode.json.
+that L2 (50 MiB on an H100) does not serve repeats. JSON to $OUT/gemm_decode.json. With
+--launches N each launch only runs N times, untimed, for ncu or compute-sanitizer (the timing's
+profiler and ncu cannot share a process).
 
 The second table gives, per path, the median SM clock and board power while it was timed
 (nvidia-smi, sampled in the background: FP8 GEMMs run at the board's power limit, where the
@@ -231,6 +233,35 @@ DECODE_ROWS = "1,4,8,16"
 COPY_BYTES = 1 << 30
 
 
+def _decode_weights(name, most_copies: int = 256):
+    """(N of each weight, K, the MXFP4 weights, their copies to rotate over: enough that L2 holds
+    none when its turn comes again, at most ``most_copies``) of a DECODE_SHAPES launch."""
+    ns, k = DECODE_SHAPES[name]
+    ns = ns if isinstance(ns, tuple) else (ns,)
+    wqs = [quant.quantize_mxfp4(
+        jax.random.normal(jax.random.key(n + k + i), (n, k), jnp.float32) / np.sqrt(k),
+        name=name) for i, n in enumerate(ns)]
+    copies = max(1, min(most_copies, rotation(sum(w.nbytes for w in wqs))))
+    weights = [tuple(wqs)] + [tuple(jax.tree.map(lambda a: a + jnp.uint8(0), w) for w in wqs)
+                              for _ in range(copies - 1)]
+    return ns, k, wqs, weights
+
+
+def _decode_launches(names, args) -> None:
+    """--launches N: each launch N times over its rotated weights, untimed and without the
+    profiler (which ncu and compute-sanitizer cannot share the process with)."""
+    fn = jax.jit(lambda a, b, ws: ffi.w4a8_matmul_many(a, b, ws, kernel="gemv"))
+    for name in names:
+        _, k, _, weights = _decode_weights(name, most_copies=args.launches)
+        for m in (int(v) for v in args.m.split(",")):
+            x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+            xq, xs = ffi.quantize_activations(x)
+            for i in range(args.launches):
+                jax.block_until_ready(fn(xq, xs, weights[i % len(weights)]))
+            print(f"{name} M={m}: {args.launches} launches", flush=True)
+        del weights
+
+
 def decode_main(args) -> None:
     """The decode table (--decode): see the module docstring."""
     from jax_mila.ffi import w4a8 as w4a8_module
@@ -245,6 +276,9 @@ def decode_main(args) -> None:
                  f"{', '.join(DECODE_SHAPES)}")
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind}; {ffi.status('w4a8_matmul')}", flush=True)
+    if args.launches:
+        _decode_launches(names, args)
+        return
     copy_s = copy_device_seconds(COPY_BYTES, calls=args.calls)
     if copy_s is None:
         sys.exit("--decode needs device time from a profiler trace (a GPU run)")
@@ -255,15 +289,9 @@ def decode_main(args) -> None:
     rows, records = [], []
     sms = w4a8_module._sms()
     for name in names:
-        ns, k = DECODE_SHAPES[name]
-        ns = ns if isinstance(ns, tuple) else (ns,)
-        wqs = [quant.quantize_mxfp4(
-            jax.random.normal(jax.random.key(n + k + i), (n, k), jnp.float32) / np.sqrt(k),
-            name=name) for i, n in enumerate(ns)]
+        ns, k, wqs, weights = _decode_weights(name)
         nbytes = sum(w.nbytes for w in wqs)
-        copies = rotation(nbytes)
-        weights = [tuple(wqs)] + [tuple(jax.tree.map(lambda a: a + jnp.uint8(0), w) for w in wqs)
-                                  for _ in range(copies - 1)]
+        copies = len(weights)
         same_s = copy_device_seconds(nbytes, calls=args.calls)
         label = " + ".join(str(n) for n in ns)
         for m in (int(v) for v in args.m.split(",")):
@@ -333,7 +361,14 @@ def main() -> None:
                         help=f"the decode GEMV on every 12B/31B linear (--m defaults to "
                              f"{DECODE_ROWS}; --only picks from DECODE_SHAPES or names a "
                              "model: 12b, 31b)")
+    parser.add_argument("--launches", type=int, default=0,
+                        help="with --decode: run each launch this many times, untimed and "
+                             "without the profiler (for ncu or compute-sanitizer: ncu -k "
+                             "regex:w4a8_gemv --launch-skip 4 -c 1 python3 benchmarks/gemm.py "
+                             "--decode --only 12b_gate_up --m 1 --launches 8)")
     args = parser.parse_args()
+    if args.launches and not args.decode:
+        parser.error("--launches goes with --decode")
     if args.decode:
         if args.m == parser.get_default("m"):
             args.m = DECODE_ROWS

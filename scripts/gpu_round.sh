@@ -142,8 +142,11 @@ if [ -n "$TESTS" ]; then
   grep -E " (FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/tests.log" | sed 's|.*/tests/||' | tail -30
 fi
 
-step selftest
-python3 -c "import jax_mila; jax_mila.selftest()" 2>&1 | tee "$OUT/selftest.log"
+# SELFTEST=0 leaves it out (a narrow round of profiles or sanitizers only; it costs ~35 s).
+if [ "${SELFTEST:-1}" = 1 ]; then
+  step selftest
+  python3 -c "import jax_mila; jax_mila.selftest()" 2>&1 | tee "$OUT/selftest.log"
+fi
 
 if [ -n "$base_pid" ]; then
   step "waiting for the base build"
@@ -239,10 +242,14 @@ if [ -n "$SANITIZE" ]; then
 fi
 
 # Optional profiles: NCU holds ';'-separated entries "KERNEL_REGEX::SCRIPT ARGS" (a script under
-# the repo; the first launch whose name matches is profiled), leading VAR=value words allowed as
-# in BENCHES. NCU_SECTIONS overrides the sections. NCU_SOURCE=1 also writes each profile's
-# per-instruction view (SASS with its stall samples, CSV) to ncu_N_sass.txt: add
-# "--section SourceCounters --section WarpStateStats" to NCU_SECTIONS for the samples.
+# the repo; the first launch whose name matches, past NCU_SKIP of them, is profiled), leading
+# VAR=value words allowed as in BENCHES. The script must not start jax's profiler (ncu cannot
+# share the process with it): for the decode GEMV, `benchmarks/gemm.py --decode --launches N`.
+# NCU_SECTIONS overrides the sections. NCU_SOURCE=1 also writes each profile's per-instruction
+# view (SASS with its stall samples, CSV) to ncu_N_sass.txt: add "--section SourceCounters
+# --section WarpStateStats" to NCU_SECTIONS for the samples. E.g.
+#   NCU="w4a8_gemv::benchmarks/gemm.py --decode --only 12b_gate_up --m 1 --launches 8" NCU_SKIP=4 \
+#   NCU_SOURCE=1 TESTS= BENCHES= SANITIZE= SELFTEST=0 bash scripts/gpu_round.sh
 IFS=';' read -ra profiles <<< "${NCU:-}"
 n=0
 for p in "${profiles[@]}"; do
@@ -252,7 +259,7 @@ for p in "${profiles[@]}"; do
   step "ncu $kernel: ${envs[*]} ${words[*]}"
   # One GPU visible unless the entry says otherwise (ncu segfaulted with two visible).
   in_own_group timeout "${NCU_TIMEOUT:-150}" env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \
-    "${envs[@]}" ncu --clock-control none -k "regex:$kernel" -c 1 -f -o "/tmp/ncu_$n" \
+    "${envs[@]}" ncu --clock-control none -k "regex:$kernel" --launch-skip "${NCU_SKIP:-0}" -c 1 -f -o "/tmp/ncu_$n" \
     ${NCU_SECTIONS:---section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis} \
     python3 "$REPO/${words[0]}" "${words[@]:1}" > "$OUT/ncu_${n}_run.txt" 2>&1 || echo "   ncu exit $?"
   ncu -i "/tmp/ncu_$n.ncu-rep" --page details > "$OUT/ncu_$n.txt" 2>&1
@@ -279,7 +286,7 @@ done < <(entries "${MULTI:-}")
 step summary
 grep -h -E "[0-9]+ (passed|failed)" "$OUT"/tests.log 2>/dev/null | tail -1
 for f in "$OUT"/sanitize_*.log; do [ -e "$f" ] && echo "$(basename "$f" .log): $(grep -h -E "ERROR SUMMARY|RACECHECK SUMMARY|^FAIL" "$f" | tr '\n' ' ')"; done
-grep -h -E "OK|MISMATCH|ERROR|NOT AVAILABLE" "$OUT/selftest.log"
+grep -h -E "OK|MISMATCH|ERROR|NOT AVAILABLE" "$OUT/selftest.log" 2>/dev/null
 grep -h "^|" "$OUT/bench.log" "$OUT/side.log" "$OUT/multi.log" 2>/dev/null
 # XLA dumps, e.g. from an entry "XLA_FLAGS=--xla_dump_to=$OUT/xla benchmarks/prefill.py ..." (one
 # flag: entries split on spaces): what is alive at the peak of each chunk step (xla_live.txt),

@@ -255,5 +255,29 @@ class GemmKernelsScriptTest(absltest.TestCase):
         self.assertTrue(all(row.split("|")[6].strip() == "0" for row in rows), rows)
 
 
+class GemmDecodeLaunchesTest(absltest.TestCase):
+
+    def test_launches_run_without_the_profiler(self):
+        # --decode --launches: each launch run untimed, no trace started (ncu and
+        # compute-sanitizer cannot share the process with the profiler).
+        gemm = _load("gemm")
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), mock.patch.object(
+                sys, "argv", ["gemm.py", "--decode", "--only", "12b_k_global", "--m", "1,3",
+                              "--launches", "2"]), \
+                mock.patch.object(gemm, "copy_device_seconds",
+                                  side_effect=AssertionError("timed")), \
+                mock.patch.object(gemm, "median_device_seconds_per_call",
+                                  side_effect=AssertionError("timed")):
+            gemm.main()
+        self.assertIn("12b_k_global M=1: 2 launches", out.getvalue())
+        self.assertIn("12b_k_global M=3: 2 launches", out.getvalue())
+
+    def test_launches_needs_decode(self):
+        with mock.patch.object(sys, "argv", ["gemm.py", "--launches", "2"]), \
+                contextlib.redirect_stderr(io.StringIO()), self.assertRaises(SystemExit):
+            _load("gemm").main()
+
+
 if __name__ == "__main__":
     absltest.main()
