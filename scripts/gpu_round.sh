@@ -136,7 +136,10 @@ step "tests: $TESTS"
 # -o addopts=: pyproject's -n auto needs pytest-xdist, which the GPU images lack; one process
 # owns the GPU anyway (tests/conftest.py).
 if [ -n "$TESTS" ]; then
+  # JAX_MILA_TEST_INSTAFAIL: each failure's traceback as it happens (tests/conftest.py), so a
+  # run cut short by its timeout still says why.
   (cd "$REPO"; eval "args=($TESTS)"; cd /tmp; XLA_FLAGS="${TEST_XLA_FLAGS-${XLA_FLAGS:-} --xla_gpu_autotune_level=0}" \
+     JAX_MILA_TEST_INSTAFAIL=1 \
      timeout "${TEST_TIMEOUT:-1200}" python3 -m pytest -v --tb=short -p no:cacheprovider -o addopts= -rfs \
      "${args[@]/#tests/$REPO/tests}") > "$OUT/tests.log" 2>&1 || status=1
   grep -E " (FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/tests.log" | sed 's|.*/tests/||' | tail -30

@@ -3,6 +3,7 @@
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 
 import jax
@@ -56,6 +57,16 @@ def pytest_sessionfinish(session, exitstatus):
     cache = os.environ.get(_CACHE_ENV)
     if cache and cache != "off" and not hasattr(session.config, "workerinput"):
         shutil.rmtree(cache, ignore_errors=True)  # the controller, after every worker ended
+
+
+def pytest_runtest_logreport(report):
+    """JAX_MILA_TEST_INSTAFAIL=1 (scripts/gpu_round.sh sets it): each failure's traceback is
+    written the moment the test fails, not only in pytest's summary at the end, which a run cut
+    short by a time limit never prints."""
+    if report.failed and os.environ.get("JAX_MILA_TEST_INSTAFAIL") == "1":
+        sys.stderr.write(f"\n=== FAILED {report.nodeid} ({report.when})\n"
+                         f"{report.longreprtext}\n")
+        sys.stderr.flush()
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; absent without it (-o addopts=-ra)
