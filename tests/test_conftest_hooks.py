@@ -24,6 +24,8 @@ class InstafailTest(absltest.TestCase):
             probe = pathlib.Path(d) / "test_probe.py"
             probe.write_text("def test_fails():\n    assert 1 == 2, 'the probe fails'\n")
             env = {k: v for k, v in os.environ.items() if k != "JAX_MILA_TEST_INSTAFAIL"}
+            # Its own session must not share, and at its end delete, this suite's XLA cache.
+            env["JAX_MILA_TEST_XLA_CACHE"] = "off"
             if env_value is not None:
                 env["JAX_MILA_TEST_INSTAFAIL"] = env_value
             return subprocess.run(

@@ -89,13 +89,17 @@ def assert_row_cache(test, model, got, want, row: int, length: int, *, atol):
                                        err_msg=f"layer {i} {name}, row {row}")
 
 
-class PrefillLengthsTest(parameterized.TestCase):
+class Float32Dots(parameterized.TestCase):
+    """Each row against the row alone (logits at 1e-4, greedy tokens) with float32 dots: XLA:GPU's
+    default precision runs them as TF32, whose rounding differs between the batch's shapes and
+    the row's (the CPU computes float32 dots in float32 either way)."""
 
     def setUp(self):
         super().setUp()
-        # Rows against the row alone at 1e-4: float32 dots. XLA:GPU's default precision runs
-        # them as TF32, whose rounding differs between the batch's shapes and the row's.
         self.enter_context(jax.default_matmul_precision("float32"))
+
+
+class PrefillLengthsTest(Float32Dots):
 
     @parameterized.named_parameters(
         ("one_chunk", None, {}, None),
@@ -149,13 +153,7 @@ class PrefillLengthsTest(parameterized.TestCase):
             gemma4.prefill(model, ids, lengths=[7, 5], max_cache_len=6)
 
 
-class GenerateLengthsTest(parameterized.TestCase):
-
-    def setUp(self):
-        super().setUp()
-        # Rows against the row alone at 1e-4: float32 dots. XLA:GPU's default precision runs
-        # them as TF32, whose rounding differs between the batch's shapes and the row's.
-        self.enter_context(jax.default_matmul_precision("float32"))
+class GenerateLengthsTest(Float32Dots):
 
     @parameterized.named_parameters(
         ("one_chunk", None, {}, "reference"),
