@@ -1,10 +1,10 @@
-"""ptxas's performance diagnostics on the kernel files that issue wgmma, for sm_90a, where nvcc
-is installed.
+"""ptxas's performance diagnostics on the kernel files that issue wgmma or setmaxnreg, for sm_90a,
+where nvcc is installed.
 
 A wgmma batch issued under a branch that ptxas cannot prove warp-uniform makes it serialize
 every wgmma of the kernel (a wait after each one), and it says so only in an info line (C7518,
 C7520). A seesaw D=512 kernel was once measured that way, its tests and sanitizers all passing.
-This compiles each csrc/*/*.cu that names wgmma as the build does for sm_90a and fails on any
+This compiles each csrc/*/*.cu naming either as the build does for sm_90a and fails on any
 C75xx "Potential Performance Loss" line. No GPU needed; skipped without nvcc.
 """
 
@@ -24,10 +24,11 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 KERNEL_FILES = sorted((REPO / "csrc").glob("*/*.cu"))
-# ptxas's C75xx lines are about wgmma batches: the files that name wgmma are the ones to compile
-# (a file without it, e.g. the mma.sync kernels, cannot trip them; compiling every file cost the
-# suite ~30 s more).
-WGMMA_FILES = [f for f in KERNEL_FILES if "wgmma" in f.read_text()]
+# ptxas's "Potential Performance Loss" lines are about wgmma batches and setmaxnreg: the files
+# naming either are the ones to compile (a file without them, e.g. the mma.sync kernels, cannot
+# trip one; compiling every file cost the suite ~30 s more).
+SM90_PIPELINE_FILES = [f for f in KERNEL_FILES
+               if any(word in f.read_text() for word in ("wgmma", "setmaxnreg"))]
 PERF_LOSS = re.compile(r"\(C75\d\d\).*")
 
 
@@ -50,15 +51,15 @@ class PtxasGuardsTest(absltest.TestCase):
 
     def test_kernel_files_exist(self):
         self.assertGreaterEqual(len(KERNEL_FILES), 5, KERNEL_FILES)
-        # The Hopper kernels that issue wgmma (attention D=256 and D=512, the W4A8 GEMM).
-        self.assertGreaterEqual(len(WGMMA_FILES), 4, WGMMA_FILES)
+        # The Hopper kernels of wgmma and setmaxnreg (attention D=256 and D=512, the W4A8 GEMM).
+        self.assertGreaterEqual(len(SM90_PIPELINE_FILES), 4, SM90_PIPELINE_FILES)
 
     @pytest.mark.slow
     def test_no_wgmma_serialization_or_other_performance_loss_on_sm90a(self):
         with tempfile.TemporaryDirectory() as out_dir, \
                 concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-            found = dict(zip(WGMMA_FILES, pool.map(
-                lambda f: _ptxas_perf_warnings(f, out_dir), WGMMA_FILES)))
+            found = dict(zip(SM90_PIPELINE_FILES, pool.map(
+                lambda f: _ptxas_perf_warnings(f, out_dir), SM90_PIPELINE_FILES)))
         problems = {str(f.relative_to(REPO)): w for f, w in found.items() if w}
         self.assertEqual(problems, {}, "ptxas reports a performance loss (see the module doc)")
 
