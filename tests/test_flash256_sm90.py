@@ -96,6 +96,9 @@ CASES = (
     # one-tile items and skipped tiles (W = 1) or item sizes that vary (causal, offsets).
     ("many_items_window1_b2_gqa1", 2, 3000, 3000, 4, 4, True, 1, 0, 0, 0.0625),
     ("many_items_causal_offsets_gqa4", 1, 1500, 2100, 16, 4, True, 0, 600, 0, 0.0625),
+    # Four rounds of the tile scheduler on 132 SMs (504 items), the last one odd (reversed)
+    # and partial.
+    ("four_rounds_causal_gqa2", 1, 4000, 4000, 16, 8, True, 0, 0, 0, 0.0625),
 )
 
 

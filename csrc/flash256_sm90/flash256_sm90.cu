@@ -3,7 +3,7 @@
 // Design: docs/design/attention_sm90.md ("D = 256: persistent ping-pong").
 //
 // Persistent: one CTA per SM walks work items (an M tile of 128 packed rows of one KV head and
-// batch), M tiles fastest and the longest first. Producer (warpgroup 0): per item, Q half c for
+// batch) in the order of TileScheduler (longest first, balanced over the CTAs). Producer (warpgroup 0): per item, Q half c for
 // consumer c, then the item's K and V tiles through a ring of two stages. Consumer c
 // (warpgroup 1 + c) owns the item's rows [m0 + 64c, m0 + 64c + 64) whole (S 64 x 64 and O
 // 64 x 256 fit its registers), so the consumers share only the K/V ring. A consumer's loop
@@ -78,23 +78,38 @@ __device__ __forceinline__ KeyTileRange RowsKeyTiles(const AttentionParams& p, i
   return tiles;
 }
 
-// One work item: the M tile of packed rows m0 .. m0 + 127 of KV head h of batch b. Item w of
-// num_items = num_m_blocks x Hkv x B: M tiles fastest, the last (longest under a causal mask)
-// first, so the CTAs running at once share the K/V tiles of one head in L2.
+// One work item: the M tile of packed rows m0 .. m0 + 127 of KV head h of batch b.
 struct WorkItem {
   int m0, h, b;
 };
 
-__device__ __forceinline__ WorkItem DecodeItem(const AttentionParams& p, int num_m_blocks, int w) {
-  const int hb = w / num_m_blocks;
-  return {(num_m_blocks - 1 - (w - hb * num_m_blocks)) * kBlockM, hb % p.hkv, hb / p.hkv};
-}
+// The static tile scheduler. Item w of num_items = num_m_blocks x Hkv x B: (head, batch)
+// fastest, the last (longest under a causal mask) M tile first, so the list is sorted by
+// length. Round r of the grid takes items [r G, r G + G) (G = gridDim.x), CTA k the k-th of an
+// even round and the (G - 1 - k)-th of an odd one: under a causal mask each CTA's long and
+// short items pair up and the CTAs finish together, and the items of a round (the same few M
+// tiles of every head) start together and stream the same key tiles, which L2 then serves
+// once for all of them. Producer and consumers walk the same sequence.
+struct TileScheduler {
+  int num_m_blocks, num_items;
+
+  // The CTA's j-th item, or num_items or more once it has none left.
+  __device__ __forceinline__ int Item(uint32_t j) const {
+    const int k = static_cast<int>(blockIdx.x), g = static_cast<int>(gridDim.x);
+    return static_cast<int>(j) * g + ((j & 1) ? g - 1 - k : k);
+  }
+  __device__ __forceinline__ WorkItem Decode(const AttentionParams& p, int w) const {
+    const int hb_count = p.hkv * p.batch;
+    const int mb = w / hb_count, hb = w - mb * hb_count;
+    return {(num_m_blocks - 1 - mb) * kBlockM, hb % p.hkv, hb / p.hkv};
+  }
+};
 
 __global__ void __launch_bounds__(T::kThreads, 1)
     Flash256Sm90Kernel(const __grid_constant__ CUtensorMap tm_q,
                        const __grid_constant__ CUtensorMap tm_k,
                        const __grid_constant__ CUtensorMap tm_v, const AttentionParams p,
-                       const int num_m_blocks, const int num_items) {
+                       const TileScheduler sched) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
   extern __shared__ unsigned char smem_raw[];
   const att::AlignedSmem smem = att::AlignSmem(smem_raw);
@@ -147,8 +162,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       hx::tma_prefetch_desc(&tm_v);
       uint32_t ring = 0;  // the CTA's key tiles so far, over all its items
       uint32_t j = 0;     // the CTA's items so far
-      for (int w = blockIdx.x; w < num_items; w += gridDim.x, ++j) {
-        const WorkItem wi = DecodeItem(p, num_m_blocks, w);
+      for (int w = sched.Item(j); w < sched.num_items; w = sched.Item(++j)) {
+        const WorkItem wi = sched.Decode(p, w);
         // The key tiles any row of the item can see: the union of both consumers' ranges
         // (each is monotone in the row, so the union is the range of [m0, last row]).
         const KeyTileRange tiles =
@@ -272,10 +287,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   if (c == 1) hx::named_barrier_arrive(att::ConsumerTurn(0), kConsumerThreads);
   uint32_t ring = 0;  // the CTA's key tiles before this item (as the producer counts them)
   uint32_t j = 0;     // the CTA's items before this one
-  for (int w = blockIdx.x; w < num_items; w += gridDim.x, ++j) {
+  for (int w = sched.Item(j); w < sched.num_items; w = sched.Item(++j)) {
     // The item's key tiles (as the producer loads them), this consumer's sub-range of them,
     // and its rows' positions.
-    const int mc = DecodeItem(p, num_m_blocks, w).m0 + kRowsPerConsumer * c;
+    const int mc = sched.Decode(p, w).m0 + kRowsPerConsumer * c;
     const int m0 = mc - kRowsPerConsumer * c;
     const KeyTileRange tiles =
         RowsKeyTiles(p, q_off, kv_off, G, m0, min(m0 + kBlockM, rows_total) - 1);
@@ -390,7 +405,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     // live (in registers) through the main loop.
     int w_epi = w;
     asm volatile("" : "+r"(w_epi));
-    const WorkItem wi = DecodeItem(p, num_m_blocks, w_epi);
+    const WorkItem wi = sched.Decode(p, w_epi);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
@@ -417,15 +432,15 @@ cudaError_t LaunchFlashAttentionD256Sm90(const AttentionParams& p, cudaStream_t 
   if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess)
     return err;
   const int64_t items64 = static_cast<int64_t>(l.num_m_blocks) * p.hkv * p.batch;
-  // Item indices are int32, with room for w + gridDim.x (2^30 items of 128 rows would be
-  // terabytes of q).
+  // Item indices are int32, with room for TileScheduler::Item's last value (below num_items +
+  // 2 gridDim.x; 2^30 items of 128 rows would be terabytes of q).
   if (items64 > INT32_MAX / 2) return cudaErrorInvalidValue;
   const int num_items = static_cast<int>(items64);
   if ((err = att::PrepareKernel<T>(Flash256Sm90Kernel, T::kSmemBytes)) != cudaSuccess) return err;
   // One CTA per SM (its 193 KB of shared memory allow no second).
   const int grid = std::min(num_items, std::max(sms, 1));
   Flash256Sm90Kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(
-      l.tm_q, l.tm_k, l.tm_v, p, l.num_m_blocks, num_items);
+      l.tm_q, l.tm_k, l.tm_v, p, TileScheduler{l.num_m_blocks, num_items});
   return cudaGetLastError();
 }
 
