@@ -3,16 +3,16 @@
 // Design: docs/design/attention_sm90.md ("D = 256: persistent ping-pong").
 //
 // Persistent: one CTA per SM walks work items (an M tile of 128 packed rows of one KV head and
-// batch) in the order of TileScheduler (longest first, balanced over the CTAs). Producer (warpgroup 0): per item, Q half c for
-// consumer c, then the item's K and V tiles through a ring of two stages. Consumer c
-// (warpgroup 1 + c) owns the item's rows [m0 + 64c, m0 + 64c + 64) whole (S 64 x 64 and O
-// 64 x 256 fit its registers), so the consumers share only the K/V ring. A consumer's loop
-// issues S_i and then P_{i-1} V_{i-1} as two commit groups, and runs the softmax of S_i while
-// P_{i-1} V_{i-1} is on the tensor cores; the two consumers take turns issuing their wgmmas
-// (ping-pong on the named barriers ConsumerTurn(c)), so one's softmax overlaps the other's
-// wgmmas. A tile of the item's range that a consumer's rows cannot see is still waited for
-// and released (skip_tile), so every barrier phase gets all the arrivals it counts; each
-// consumer goes through the same number of turns per item.
+// batch) in TileScheduler's order (longest first, balanced over the CTAs). Producer (warpgroup 0):
+// per item, Q half c for consumer c, then the item's K and V tiles through a ring of two stages.
+// Consumer c (warpgroup 1 + c) owns the item's rows [m0 + 64c, m0 + 64c + 64) whole (S 64 x 64 and
+// O 64 x 256 fit its registers), so the consumers share only the K/V ring. A consumer's loop issues
+// S_i and then P_{i-1} V_{i-1} as two commit groups, and runs the softmax of S_i while P_{i-1}
+// V_{i-1} is on the tensor cores; the two consumers take turns issuing their wgmmas (ping-pong on
+// the named barriers ConsumerTurn(c)), so one's softmax overlaps the other's wgmmas. A tile of the
+// item's range that a consumer's rows cannot see is still waited for and released (skip_tile), so
+// every barrier phase gets all the arrivals it counts; each consumer goes through the same number
+// of turns per item.
 #include <cuda.h>  // CUtensorMap and its enums (the driver entry point is fetched at run time)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
