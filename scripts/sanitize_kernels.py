@@ -145,6 +145,8 @@ ATTENTION_CASES = (
     (1, 33, 50, 2, 2, True, None, 0, 10),     # rows before their first key: fully masked
     (1, 97, 130, 16, 1, False, None, 0, 0),
     (1, 70, 200, 16, 1, True, None, 130, 0),  # queries at the end of a longer key range
+    # 192 work items of the persistent D=256 kernel: a second, reversed round on 132 SMs.
+    (4, 300, 300, 16, 16, True, None, 0, 0),
     # Segmented keys (D=512 only; kv_offset = segment starts): out of order, a future segment,
     # segments of 100 slots (tiles reach into the next segment), a window across segments.
     (1, 97, 256, 16, 1, True, None, 480, (500, 0, 1000, 64)),
