@@ -37,7 +37,7 @@ SANITIZE_OPS=${SANITIZE_OPS:-quantize norm_rope d256 d256_mma d512 d512_rotary d
 # Extra compute-sanitizer options for every tool, e.g. "--show-backtrace device": a whole-model
 # process crashed the tool itself (its front end), with nothing of ours reported.
 SANITIZE_FLAGS=${SANITIZE_FLAGS:-}
-BENCHES=${BENCHES-benchmarks/quantize.py;benchmarks/norm_rope.py;benchmarks/attention.py;benchmarks/decode_attention.py;benchmarks/gemm.py;benchmarks/gemm.py --decode --only 12b;benchmarks/wgmma_loop.py --micro gemv_stream;benchmarks/gemm.py --decode --only 31b;benchmarks/moe.py;benchmarks/decode.py --prompts 4096,65536 --batches 1,8 --steps 64 --backends mila --reps 2}
+BENCHES=${BENCHES-benchmarks/quantize.py;benchmarks/norm_rope.py;benchmarks/attention.py;benchmarks/attention.py --only d256_causal --seqs 16384,32768 --skip-xla;examples/llama_dropin.py --reps 5;benchmarks/decode_attention.py;benchmarks/gemm.py;benchmarks/gemm.py --decode --only 12b;benchmarks/wgmma_loop.py --micro gemv_stream;benchmarks/gemm.py --decode --only 31b;benchmarks/moe.py;benchmarks/decode.py --prompts 4096,65536 --batches 1,8 --steps 64 --backends mila --reps 2}
 status=0
 step() { echo "== $* ($(date +%T))"; }
 
