@@ -16,8 +16,8 @@ from flax import nnx
 
 from jax_mila import nn, quant, reference
 from jax_mila.ffi import _registry as ffi_registry
-from jax_mila.nn.linear import quantized_ops
 from jax_mila.gemma4 import moe
+from jax_mila.nn.linear import quantized_ops
 import testing  # tests/testing.py
 
 E, IN, OUT = 5, 96, 64  # IN = 96: stored padded to 128 under W4A8
