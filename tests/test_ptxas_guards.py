@@ -28,7 +28,7 @@ KERNEL_FILES = sorted((REPO / "csrc").glob("*/*.cu"))
 # naming either are the ones to compile (a file without them, e.g. the mma.sync kernels, cannot
 # trip one; compiling every file cost the suite ~30 s more).
 SM90_PIPELINE_FILES = [f for f in KERNEL_FILES
-               if any(word in f.read_text() for word in ("wgmma", "setmaxnreg"))]
+                       if any(word in f.read_text() for word in ("wgmma", "setmaxnreg"))]
 PERF_LOSS = re.compile(r"\(C75\d\d\).*")
 
 
