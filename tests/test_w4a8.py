@@ -126,6 +126,8 @@ class W4A8ReferenceTest(parameterized.TestCase):
         dict(testcase_name="random", sizes=(10, 0, 25, 15, 7)),
         dict(testcase_name="one_expert_takes_all", sizes=(0, 0, 97, 0)),
         dict(testcase_name="single_rows", sizes=(1, 1, 1)),
+        # groups of several reference steps (256 rows), the last one partial
+        dict(testcase_name="groups_of_several_steps", sizes=(300, 0, 513, 1)),
     )
     def test_grouped_reference_matches_float64_product(self, sizes):
         xq, xs, w, gs = _grouped_operands(sizes, 24, 704, _seed())
@@ -146,6 +148,17 @@ class W4A8ReferenceTest(parameterized.TestCase):
                     self.assertLess(testing.rel_fro_err(
                         got[:covered], _exact_grouped(xq, xs, w, gs)[:covered]), 1e-5)
                 np.testing.assert_array_equal(np.asarray(got)[covered:], 0.0)
+
+    def test_grouped_reference_memory_is_linear_in_the_rows(self):
+        # XLA expands jax.lax.ragged_dot into a product over every group: [M, E, K] float32, 256
+        # MiB here. The reference runs expert by expert: its temporaries are about its operands
+        # and its output (the sm_80 path and the fallback of the 26B-A4B's experts).
+        m, e, k, n = 4096, 64, 256, 128
+        xq, xs, w, gs = _grouped_operands((m // e,) * e, n, k, _seed())
+        fn = jax.jit(functools.partial(reference.grouped_w4a8_matmul, out_dtype=jnp.float32))
+        stats = fn.lower(xq, xs, w, gs).compile().memory_analysis()
+        self.assertIsNotNone(stats)
+        self.assertLess(stats.temp_size_in_bytes, 4 * (m + 256) * k * 4)
 
     def test_grouped_equals_dense_per_expert(self):
         xq, xs, w, gs = _grouped_operands((5, 0, 11), 32, 256, _seed())

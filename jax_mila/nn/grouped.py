@@ -7,8 +7,9 @@ rows [offset_e, offset_e + group_sizes[e]) of x (offset_e = the sum of the sizes
 through expert e; the sizes are traced device values (a new routing recompiles nothing); rows
 past the last group are zeros.
 
-- ``quantize=None``: a dense ``kernel`` nnx.Param [E, in, out] in param_dtype; the product is
-  ``jax.lax.ragged_dot`` in float32, rounded once to ``dtype``.
+- ``quantize=None``: a dense ``kernel`` nnx.Param [E, in, out] in param_dtype; the product
+  (jax_mila.reference.w4a8.grouped_rows_product: expert by expert, memory linear in the rows)
+  in float32, rounded once to ``dtype``.
 - ``quantize="w4a8"``: the experts' weights as one MXFP4 weight [E, out, padded_k(in)] in the
   three uint8 MXFP4Param variables ``packed``, ``scales``, ``channel_exp`` (the [E, out, in]
   orientation of a Hugging Face expert tensor); the forward pass quantizes the rows to FP8
@@ -26,6 +27,7 @@ from jax_mila.nn import noise
 from jax_mila.nn.backend import check_backend
 from jax_mila.nn.linear import get_mxfp4, quantized_ops, set_mxfp4, w4a8_quantize_mode
 from jax_mila.quant.mxfp4 import MXFP4Weight, padded_k, quantize_mxfp4
+from jax_mila.reference.w4a8 import grouped_rows_product
 
 
 class GroupedLinear(nnx.Module):
@@ -71,10 +73,10 @@ class GroupedLinear(nnx.Module):
             rows = noise.perturb(x.astype(jnp.bfloat16))
             q, s = quantized_ops(self.backend).quantize_activations(rows)
             return self.matmul_quantized(q, s, group_sizes)
-        y = jax.lax.ragged_dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype),
-                               group_sizes, preferred_element_type=jnp.float32)
-        covered = jnp.arange(x.shape[0])[:, None] < jnp.sum(group_sizes)  # as the kernels: zeros
-        return jnp.where(covered, y, 0.0).astype(self.dtype)
+        kernel = self.kernel[...]
+        y = grouped_rows_product(x.astype(self.dtype), group_sizes,
+                                 lambda e: kernel[e].astype(self.dtype), self.out_features)
+        return y.astype(self.dtype)  # rows past the groups: zeros, as the kernels write them
 
     def matmul_quantized(self, q: jax.Array, scale: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """The W4A8 product of rows already quantized per row (q float8_e4m3fn [M, in_features],

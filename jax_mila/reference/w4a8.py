@@ -40,16 +40,56 @@ def group_bounds(group_sizes, rows: int):
     return starts, ends
 
 
+def grouped_rows_product(x, group_sizes, weight_of, n: int, *, precision=None,
+                         rows_per_step: int = 256):
+    """Rows sorted by group times each group's weight: out[m] = x[m] @ weight_of(e) for the rows
+    m of group e (``group_bounds``), float32 [M, n]; rows in no group are zeros.
+
+    x [M, K] (any float dtype, multiplied as given), weight_of(e) [K, n] for a traced expert
+    index e. Expert by expert, in steps of ``rows_per_step`` rows (the last step of a group masks
+    the rows past it), so the work is the routed rows plus at most one step per group and the
+    memory is one expert's weight and the output: unlike ``jax.lax.ragged_dot``, which XLA (CPU
+    and GPU) expands into a dense product over every group ([M, E, K] operands, E times the work).
+    """
+    m = x.shape[0]
+    if m == 0:
+        return jnp.zeros((0, n), jnp.float32)
+    step = min(rows_per_step, m)
+    starts, ends = group_bounds(group_sizes, m)
+    # A step starts below M, so its rows [r0, r0 + step) stay inside the padded arrays.
+    xp = jnp.concatenate([x, jnp.zeros((step, x.shape[1]), x.dtype)])
+    out = jnp.zeros((m + step, n), jnp.float32)
+
+    def expert(e, out):
+        w = weight_of(e)
+        start, end = starts[e], ends[e]
+
+        def rows(i, out):
+            r0 = start + i * step
+            y = jnp.dot(jax.lax.dynamic_slice_in_dim(xp, r0, step), w, precision=precision,
+                        preferred_element_type=jnp.float32)
+            inside = (r0 + jnp.arange(step))[:, None] < end
+            kept = jax.lax.dynamic_slice_in_dim(out, r0, step)
+            return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(inside, y, kept), r0, 0)
+
+        return jax.lax.fori_loop(0, (end - start + step - 1) // step, rows, out)
+
+    return jax.lax.fori_loop(0, group_sizes.shape[0], expert, out)[:m]
+
+
 def grouped_w4a8_matmul(x_fp8, x_scale, w: MXFP4Weight, group_sizes, *,
                         out_dtype=jnp.bfloat16):
     """x_fp8 float8_e4m3fn [M, K] (rows sorted by expert), x_scale float32 [M], w MXFP4 experts
     [E, N, Kp], group_sizes int32 [E] -> out_dtype [M, N]."""
-    wf = dequantize_mxfp4(w, jnp.float32, k=x_fp8.shape[-1], kernel_semantics=True)
-    starts, ends = group_bounds(group_sizes, x_fp8.shape[0])
-    acc = jax.lax.ragged_dot(x_fp8.astype(jnp.float32), jnp.swapaxes(wf, 1, 2), ends - starts,
-                             precision=jax.lax.Precision.HIGHEST,
-                             preferred_element_type=jnp.float32)
-    # ragged_dot does not promise zeros in the rows past the last group on every backend; the
-    # kernels write zeros there.
-    covered = jnp.arange(x_fp8.shape[0])[:, None] < ends[-1]
+    k = x_fp8.shape[-1]
+
+    def weight_of(e):  # expert e's weight, dequantized when its rows come up
+        w_e = jax.tree.map(lambda a: a[e], w)
+        return dequantize_mxfp4(w_e, jnp.float32, k=k, kernel_semantics=True).T
+
+    acc = grouped_rows_product(x_fp8.astype(jnp.float32), group_sizes, weight_of, w.shape[-2],
+                               precision=jax.lax.Precision.HIGHEST)
+    # Rows past the last group are zeros whatever their scale (as the kernels write them).
+    last_row = group_bounds(group_sizes, x_fp8.shape[0])[1][-1]
+    covered = jnp.arange(x_fp8.shape[0])[:, None] < last_row
     return jnp.where(covered, acc * x_scale[:, None].astype(jnp.float32), 0.0).astype(out_dtype)
