@@ -17,6 +17,7 @@ from typing import Callable
 import jax
 
 from jax_mila import _env
+from jax_mila._vma import vary_like
 
 log = logging.getLogger("jax_mila")
 
@@ -143,32 +144,13 @@ def reset_fallback_log() -> None:
 NO_CUDA_DEVICE = "no CUDA device in this process (JAX runs on {platform})"
 
 
-def _varying_axes(x) -> frozenset:
-    """Mesh axes over which `x` varies inside shard_map (empty outside). jax 0.11 calls them
-    `vma`; jax 0.10 keeps them in `manual_axis_type.varying`."""
-    t = jax.typeof(x)
-    if hasattr(t, "vma"):
-        return frozenset(t.vma)
-    return frozenset(getattr(getattr(t, "manual_axis_type", None), "varying", ()) or ())
-
-
 def _vary_like_inputs(kernel_fn: Callable) -> Callable:
     """ffi_call results carry no varying mesh axes, while the reference's results vary like
     its inputs; inside shard_map, lax.platform_dependent needs both branches to agree, so
     the kernel's results are marked varying over every axis its inputs vary over."""
 
     def call(*args):
-        axes = frozenset().union(*(_varying_axes(a) for a in args))
-
-        def vary(o):
-            missing = tuple(sorted(axes - _varying_axes(o)))
-            if not missing:
-                return o
-            if hasattr(jax.lax, "pcast"):
-                return jax.lax.pcast(o, missing, to="varying")
-            return jax.lax.pvary(o, missing)
-
-        return jax.tree.map(vary, kernel_fn(*args))
+        return jax.tree.map(lambda o: vary_like(o, args), kernel_fn(*args))
 
     return call
 

@@ -73,9 +73,8 @@ class GroupedLinear(nnx.Module):
             rows = noise.perturb(x.astype(jnp.bfloat16))
             q, s = quantized_ops(self.backend).quantize_activations(rows)
             return self.matmul_quantized(q, s, group_sizes)
-        kernel = self.kernel[...]
-        y = grouped_rows_product(x.astype(self.dtype), group_sizes,
-                                 lambda e: kernel[e].astype(self.dtype), self.out_features)
+        y = grouped_rows_product(x.astype(self.dtype), group_sizes, self.kernel[...],
+                                 lambda w: w.astype(self.dtype), self.out_features)
         return y.astype(self.dtype)  # rows past the groups: zeros, as the kernels write them
 
     def matmul_quantized(self, q: jax.Array, scale: jax.Array, group_sizes: jax.Array) -> jax.Array:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_mila._vma import vary_like
 from jax_mila.quant.mxfp4 import MXFP4Weight, dequantize_mxfp4
 
 
@@ -40,16 +41,18 @@ def group_bounds(group_sizes, rows: int):
     return starts, ends
 
 
-def grouped_rows_product(x, group_sizes, weight_of, n: int, *, precision=None,
+def grouped_rows_product(x, group_sizes, weights, weight_of, n: int, *, precision=None,
                          rows_per_step: int = 256):
-    """Rows sorted by group times each group's weight: out[m] = x[m] @ weight_of(e) for the rows
-    m of group e (``group_bounds``), float32 [M, n]; rows in no group are zeros.
+    """Rows sorted by group times each group's weight: out[m] = x[m] @ weight_of(weights[e])
+    for the rows m of group e (``group_bounds``), float32 [M, n]; rows in no group are zeros.
 
-    x [M, K] (any float dtype, multiplied as given), weight_of(e) [K, n] for a traced expert
-    index e. Expert by expert, in steps of ``rows_per_step`` rows (the last step of a group masks
-    the rows past it), so the work is the routed rows plus at most one step per group and the
-    memory is one expert's weight and the output: unlike ``jax.lax.ragged_dot``, which XLA (CPU
-    and GPU) expands into a dense product over every group ([M, E, K] operands, E times the work).
+    x [M, K] (any float dtype, multiplied as given); ``weights`` a pytree of arrays with the
+    groups on their leading axis, whose slice for one group ``weight_of`` turns into its [K, n]
+    matrix, only for groups with rows. Group by group, in steps of ``rows_per_step`` rows (the
+    last step of a group masks the rows past it), so the work is the routed rows plus at most
+    one step per group and the memory is one group's weight and the output: unlike
+    ``jax.lax.ragged_dot``, which XLA (CPU and GPU) expands into a dense product over every
+    group ([M, E, K] operands, E times the work).
     """
     m = x.shape[0]
     if m == 0:
@@ -58,23 +61,28 @@ def grouped_rows_product(x, group_sizes, weight_of, n: int, *, precision=None,
     starts, ends = group_bounds(group_sizes, m)
     # A step starts below M, so its rows [r0, r0 + step) stay inside the padded arrays.
     xp = jnp.concatenate([x, jnp.zeros((step, x.shape[1]), x.dtype)])
-    out = jnp.zeros((m + step, n), jnp.float32)
+    # The carry varies like the products written into it (inside shard_map).
+    out = vary_like(jnp.zeros((m + step, n), jnp.float32), x, group_sizes, weights)
 
-    def expert(e, out):
-        w = weight_of(e)
+    def group(e, out):
         start, end = starts[e], ends[e]
 
-        def rows(i, out):
-            r0 = start + i * step
-            y = jnp.dot(jax.lax.dynamic_slice_in_dim(xp, r0, step), w, precision=precision,
-                        preferred_element_type=jnp.float32)
-            inside = (r0 + jnp.arange(step))[:, None] < end
-            kept = jax.lax.dynamic_slice_in_dim(out, r0, step)
-            return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(inside, y, kept), r0, 0)
+        def run(out):  # an empty group reads no weight
+            w = weight_of(jax.tree.map(lambda a: a[e], weights))
 
-        return jax.lax.fori_loop(0, (end - start + step - 1) // step, rows, out)
+            def rows(i, out):
+                r0 = start + i * step
+                y = jnp.dot(jax.lax.dynamic_slice_in_dim(xp, r0, step), w, precision=precision,
+                            preferred_element_type=jnp.float32)
+                inside = (r0 + jnp.arange(step))[:, None] < end
+                kept = jax.lax.dynamic_slice_in_dim(out, r0, step)
+                return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(inside, y, kept), r0, 0)
 
-    return jax.lax.fori_loop(0, group_sizes.shape[0], expert, out)[:m]
+            return jax.lax.fori_loop(0, (end - start + step - 1) // step, rows, out)
+
+        return jax.lax.cond(end > start, run, lambda out: out, out)
+
+    return jax.lax.fori_loop(0, group_sizes.shape[0], group, out)[:m]
 
 
 def grouped_w4a8_matmul(x_fp8, x_scale, w: MXFP4Weight, group_sizes, *,
@@ -83,12 +91,11 @@ def grouped_w4a8_matmul(x_fp8, x_scale, w: MXFP4Weight, group_sizes, *,
     [E, N, Kp], group_sizes int32 [E] -> out_dtype [M, N]."""
     k = x_fp8.shape[-1]
 
-    def weight_of(e):  # expert e's weight, dequantized when its rows come up
-        w_e = jax.tree.map(lambda a: a[e], w)
+    def weight_of(w_e):  # one expert's weight, dequantized when its rows come up
         return dequantize_mxfp4(w_e, jnp.float32, k=k, kernel_semantics=True).T
 
-    acc = grouped_rows_product(x_fp8.astype(jnp.float32), group_sizes, weight_of, w.shape[-2],
-                               precision=jax.lax.Precision.HIGHEST)
+    acc = grouped_rows_product(x_fp8.astype(jnp.float32), group_sizes, w, weight_of,
+                               w.shape[-2], precision=jax.lax.Precision.HIGHEST)
     # Rows past the last group are zeros whatever their scale (as the kernels write them).
     last_row = group_bounds(group_sizes, x_fp8.shape[0])[1][-1]
     covered = jnp.arange(x_fp8.shape[0])[:, None] < last_row
